@@ -1,0 +1,4 @@
+"""Dataframe integrations (installed as ``llm_operator.integrations``).
+
+Nothing lives here yet.
+"""

@@ -1,0 +1,164 @@
+"""The ``llm-operator`` command: run | plan | demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="alias, Hugging Face model directory or .gguf file")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow code shipped with the model to run")
+
+
+def _add_prompt_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("input", type=Path, help="a Parquet, CSV or JSONL file")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt-col", help="the column holding the prompts")
+    source.add_argument("--template", help='a prompt template over the columns, e.g. "Review: {text}\\nLabel:"')
+    parser.add_argument("--chat", action="store_true", help="send each prompt as a user chat message")
+    parser.add_argument("--system", help="a system message (implies --chat)")
+    parser.add_argument("--limit", type=int, help="only the first N rows")
+
+
+def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    parser.add_argument("--seed", type=int)
+
+
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default="auto", choices=["auto", "hf"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--kv-cache-memory", default="auto", help='bytes or a size such as "2GiB"')
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llm-operator", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="run the model over a table and write the outputs")
+    _add_prompt_options(run)
+    run.add_argument("--output", type=Path, required=True, help="output file (.parquet, .csv or .jsonl)")
+    run.add_argument("--output-col", default="out", help="name of the output column (default: out)")
+    _add_model_options(run)
+    _add_sampling_options(run)
+    _add_engine_options(run)
+
+    plan = commands.add_parser("plan", help="print the prefix-sharing report without loading the model")
+    _add_prompt_options(plan)
+    _add_model_options(plan)
+    plan.add_argument("--max-tokens", type=int, default=64)
+    plan.add_argument("--json", action="store_true", help="print the statistics as JSON")
+
+    demo = commands.add_parser("demo", help="classify the bundled reviews and tickets with SmolLM2")
+    _add_model_options(demo)
+    demo.add_argument("--limit", type=int, help="only the first N rows")
+    demo.add_argument("--output", type=Path, default=Path("demo-results/demo.jsonl"))
+    demo.add_argument("--max-batch-size", type=int, default=64)
+    demo.add_argument("--compare-static", action="store_true", help="also run plain HF generate on fixed batches")
+    demo.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def _load_prompts(args) -> tuple[object, list]:
+    from llm_operator.tables import prompts_from_table, read_table
+
+    table = read_table(args.input)
+    if args.limit is not None:
+        if args.limit < 1:
+            raise ValueError(f"--limit must be >= 1, got {args.limit}")
+        table = table.slice(0, args.limit)
+    prompts = prompts_from_table(table, prompt_col=args.prompt_col, template=args.template)
+    if args.chat or args.system:
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        prompts = [None if p is None else [*system, {"role": "user", "content": p}] for p in prompts]
+    return table, prompts
+
+
+def command_run(args) -> int:
+    from llm_operator import LLMOperator, SamplingParams
+    from llm_operator.tables import add_result_columns, table_format, write_table
+
+    table_format(args.output)  # fail on a bad output name before any work
+    sampling = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        stop=tuple(args.stop),
+        seed=args.seed,
+    )
+    table, prompts = _load_prompts(args)
+    op = LLMOperator(
+        args.model,
+        backend=args.backend,
+        device=args.device,
+        dtype=args.dtype,
+        max_batch_size=args.max_batch_size,
+        kv_cache_memory=args.kv_cache_memory,
+        trust_remote_code=args.trust_remote_code,
+        progress=not args.no_progress,
+    )
+    results = op.generate(prompts, sampling)
+    write_table(add_result_columns(table, results, args.output_col), args.output)
+    stats = op.last_stats
+    print(
+        f"{stats.rows} rows ({stats.error_rows} errors) in {stats.seconds:.1f} s: "
+        f"{stats.rows_per_second:.2f} rows/s, {stats.output_tokens_per_second:.1f} output tokens/s, "
+        f"saving ratio {stats.saving_ratio:.1%}; wrote {args.output}"
+    )
+    return 0
+
+
+def command_plan(args) -> int:
+    from llm_operator import LLMOperator, SamplingParams
+
+    _, prompts = _load_prompts(args)
+    op = LLMOperator(args.model, trust_remote_code=args.trust_remote_code)
+    plan = op.plan(prompts, SamplingParams(max_tokens=args.max_tokens))
+    print(json.dumps(plan.stats.as_dict(), indent=2) if args.json else plan.report())
+    return 0
+
+
+def command_demo(args) -> int:
+    from llm_operator.demo import run_demo
+
+    return run_demo(
+        model=args.model,
+        limit=args.limit,
+        output=args.output,
+        max_batch_size=args.max_batch_size,
+        compare_static=args.compare_static,
+        progress=not args.no_progress,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    handlers = {"run": command_run, "plan": command_plan, "demo": command_demo}
+    started = time.perf_counter()
+    try:
+        return handlers[args.command](args)
+    except (ValueError, TypeError, FileNotFoundError) as error:
+        print(f"llm-operator {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        logging.getLogger(__name__).debug("%s took %.1f s", args.command, time.perf_counter() - started)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""The ``hf`` backend: any Hugging Face causal LM, BATON re-batching, shared prefixes.
+
+Each iteration (``step``):
+  1. admit: waiting requests fill free row slots (as many as ``max_batch_size``
+     and the KV budget allow); each is prefilled separately from a copy of its
+     shared prefix's K/V, then its K/V are written into a free row of the batch;
+  2. decode: one forward pass over the running rows;
+  3. retire: rows that hit EOS, a stop string or their length free their slots.
+A group's shared prefix (each segment of its chain) is prefilled once and kept
+until its last member has been admitted.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from llm_operator.engine.base import BackendResult, ProgressCallback, RequestOutput
+from llm_operator.engine.batch_cache import DenseBatchCache, layers_of
+from llm_operator.engine.prefix_store import PrefixStore
+from llm_operator.engine.stopping import RowDecoder
+from llm_operator.planner import Plan, PlannedRequest
+from llm_operator.sampling import SamplingParams, sample_next_tokens
+
+KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class HFBackend:
+    """Runs a plan on a ``transformers`` causal LM with a dense batch KV cache."""
+
+    name = "hf"
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        max_batch_size: int = 256,
+        prefill_batch_tokens: int = 4096,
+        kv_cache_bytes: int | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.prefill_batch_tokens = prefill_batch_tokens
+        self.kv_cache_bytes = kv_cache_bytes
+        self.device = next(model.parameters()).device
+        self.max_context = model_context_length(model.config, tokenizer)
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        params = inspect.signature(model.forward).parameters
+        self._cache_argument = "cache" if "cache" in params else "past_key_values"
+
+    # -- one forward pass ------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: DynamicCache | KVLayers | None,
+    ) -> tuple[torch.Tensor, DynamicCache]:
+        """Logits of the last column [rows, vocab] and the cache holding the new K/V."""
+        # input_ids, position_ids: [rows, new]; attention_mask: [rows, cached + new]
+        if cache is None:
+            cache = DynamicCache()
+        elif not isinstance(cache, DynamicCache):
+            cache = DynamicCache(ddp_cache_data=cache)
+        out = self.model(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+            position_ids=position_ids.to(self.device),
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_argument: cache},
+        )
+        new_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        return out.logits[:, -1, :], new_cache
+
+    # -- the run ---------------------------------------------------------
+    def run(
+        self,
+        plan: Plan,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        progress: ProgressCallback | None = None,
+    ) -> BackendResult:
+        run = _Run(self, plan, params, generators, progress)
+        return run.execute()
+
+
+def model_context_length(config, tokenizer) -> int:
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(text_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(limit, int) and 0 < limit < 10**7:
+        return limit
+    return 2048
+
+
+def eos_token_ids(model, tokenizer) -> frozenset[int]:
+    generation_config = getattr(model, "generation_config", None)
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+class _Row:
+    """A running request: its plan entry, decoder and the token to feed next."""
+
+    __slots__ = ("request", "decoder", "generator", "params", "pending_token")
+
+    def __init__(self, request: PlannedRequest, decoder: RowDecoder, params: SamplingParams, generator):
+        self.request = request
+        self.decoder = decoder
+        self.params = params
+        self.generator = generator
+        self.pending_token = -1
+
+
+class _Run:
+    """State of one ``HFBackend.run``: the waiting queue, the batch, the prefix store."""
+
+    def __init__(self, backend: HFBackend, plan: Plan, params, generators, progress) -> None:
+        self.backend = backend
+        self.plan = plan
+        self.params = params
+        self.generators = generators
+        self.progress = progress
+        self.waiting: deque[PlannedRequest] = deque(plan.requests)
+        self.outputs: list[RequestOutput | None] = [None] * len(plan.requests)
+        self.slots: list[_Row | None] = []
+        self.batch: DenseBatchCache | None = None
+        self.prefixes = PrefixStore(backend, plan)
+        self.prefill_tokens = 0
+        self.output_tokens = 0
+
+    def execute(self) -> BackendResult:
+        while self.waiting or any(self.slots):
+            self.admit()
+            if any(self.slots):
+                self.decode()
+        assert all(o is not None for o in self.outputs), "every request has an output"
+        self.prefill_tokens += self.prefixes.tokens_computed
+        return BackendResult(list(self.outputs), self.prefill_tokens, self.output_tokens)
+
+    # -- admission -------------------------------------------------------
+    def admit(self) -> None:
+        free = [i for i, row in enumerate(self.slots) if row is None]
+        capacity = self.backend.max_batch_size - len(self.slots) + len(free)
+        chosen: list[PlannedRequest] = []
+        while self.waiting and len(chosen) < capacity:
+            request = self.waiting[0]
+            if not self._fits(chosen, request):
+                if chosen or any(self.slots):
+                    break  # wait for rows to finish
+                self.waiting.popleft()
+                self._fail(request, "the request needs more KV cache memory than kv_cache_memory allows")
+                continue
+            chosen.append(self.waiting.popleft())
+        if not chosen:
+            self._compact()
+            return
+        for part in self._prefill_parts(chosen):
+            self._prefill_and_insert(part, free)
+
+    def _fits(self, chosen: list[PlannedRequest], request: PlannedRequest) -> bool:
+        """Projected dense cache size (rows x longest possible time axis) within the KV budget."""
+        budget = self.backend.kv_cache_bytes
+        if budget is None:
+            return True
+        active = [row for row in self.slots if row is not None]
+        rows = len(active) + len(chosen) + 1
+        time = max([self.batch.time if self.batch else 0] + [len(r.token_ids) for r in chosen + [request]])
+        remaining = max(
+            [row.decoder.max_tokens - len(row.decoder.token_ids) for row in active]
+            + [self.params[r.request_id].max_tokens for r in chosen + [request]]
+        )
+        projected = rows * (time + remaining) * self.prefixes.bytes_per_token()
+        return projected + self.prefixes.held_bytes() <= budget
+
+    def _prefill_parts(self, chosen: list[PlannedRequest]) -> list[list[PlannedRequest]]:
+        """Split admitted requests into prefill passes of at most prefill_batch_tokens padded tokens."""
+        parts: list[list[PlannedRequest]] = [[]]
+        widest = 0
+        for request in chosen:
+            width = max(widest, len(request.token_ids))
+            if parts[-1] and width * (len(parts[-1]) + 1) > self.backend.prefill_batch_tokens:
+                parts.append([])
+                width = len(request.token_ids)
+            parts[-1].append(request)
+            widest = width
+        return parts
+
+    def _prefill_and_insert(self, requests: list[PlannedRequest], free: list[int]) -> None:
+        """Prefill the requests' suffixes from their prefix K/V, sample their first token, add them to the batch."""
+        prefixes = [self.prefixes.acquire(r) for r in requests]  # (layers [1,h,P,d], last logits) per request
+        prefix_time = max(len(r.token_ids) - len(r.suffix) for r in requests)
+        suffix_time = max(len(r.suffix) for r in requests)
+        rows = len(requests)
+        mask = torch.zeros(rows, prefix_time + suffix_time, dtype=torch.bool)
+        input_ids = torch.full((rows, suffix_time), self.backend.pad_token_id, dtype=torch.long)
+        position_ids = torch.zeros(rows, suffix_time, dtype=torch.long)
+        for i, request in enumerate(requests):
+            prefix_length, suffix = request.prefix_length, request.suffix
+            mask[i, prefix_time - prefix_length : prefix_time] = True
+            mask[i, prefix_time + suffix_time - len(suffix) :] = True
+            if suffix:
+                input_ids[i, suffix_time - len(suffix) :] = torch.as_tensor(list(suffix), dtype=torch.long)
+                position_ids[i, suffix_time - len(suffix) :] = torch.arange(prefix_length, len(request.token_ids))
+        layers = _stack_prefixes([p[0] for p in prefixes], prefix_time)
+        if suffix_time > 0:
+            logits, cache = self.backend.forward(input_ids, mask, position_ids, layers)
+            layers = layers_of(cache)
+            self.prefill_tokens += sum(len(r.suffix) for r in requests)
+        else:
+            logits = None
+        first_logits = torch.stack(
+            [p[1] if not r.suffix else logits[i] for i, (r, p) in enumerate(zip(requests, prefixes))]
+        )
+        for request in requests:
+            self.prefixes.release(request)
+        new_rows = [self._start_row(r) for r in requests]
+        tokens = sample_next_tokens(first_logits, [row.params for row in new_rows], [row.generator for row in new_rows])
+        positions = torch.tensor([len(r.token_ids) for r in requests], dtype=torch.long)
+        slots = [free.pop(0) if free else len(self.slots) + k for k in range(rows)]
+        appended = sum(1 for s in slots if s >= len(self.slots))
+        self.slots.extend([None] * appended)
+        if self.batch is None:
+            assert slots == list(range(rows)), "an empty batch fills from slot 0"
+            self.batch = DenseBatchCache(layers, mask, positions)
+        else:
+            self.batch.write_rows(slots, layers, mask, positions)
+        finished = []
+        for slot, row, token in zip(slots, new_rows, tokens.tolist()):
+            self.slots[slot] = row
+            if self._append_token(row, token):
+                finished.append(slot)
+        self._retire(finished)
+
+    def _start_row(self, request: PlannedRequest) -> _Row:
+        params = self.params[request.request_id]
+        decoder = RowDecoder(
+            self.backend.tokenizer,
+            params,
+            self.backend.eos_token_ids,
+            len(request.token_ids),
+            self.backend.max_context,
+        )
+        return _Row(request, decoder, params, self.generators[request.request_id])
+
+    # -- decoding --------------------------------------------------------
+    def decode(self) -> None:
+        batch = self.batch
+        tokens = torch.tensor(
+            [row.pending_token if row is not None else self.backend.pad_token_id for row in self.slots],
+            dtype=torch.long,
+        )
+        cache, mask, positions = batch.prepare_decode()
+        logits, _ = self.backend.forward(tokens.unsqueeze(1), mask, positions, cache)
+        batch.finish_decode()
+        if self.progress is not None:
+            self.progress(0, sum(row is not None for row in self.slots))
+        live = [i for i, row in enumerate(self.slots) if row is not None]
+        index = torch.tensor(live, dtype=torch.long)
+        sampled = sample_next_tokens(
+            logits[index.to(logits.device)],
+            [self.slots[i].params for i in live],
+            [self.slots[i].generator for i in live],
+        )
+        finished = [slot for slot, token in zip(live, sampled.tolist()) if self._append_token(self.slots[slot], token)]
+        self._retire(finished)
+
+    def _append_token(self, row: _Row, token: int) -> bool:
+        row.pending_token = token
+        self.output_tokens += 1
+        return row.decoder.append(token)
+
+    def _retire(self, slots: list[int]) -> None:
+        if not slots:
+            return
+        for slot in slots:
+            row = self.slots[slot]
+            decoder = row.decoder
+            self.outputs[row.request.request_id] = RequestOutput(
+                tuple(decoder.token_ids), decoder.final_text(), decoder.finish_reason
+            )
+            self.slots[slot] = None
+        self.batch.park_rows(slots)
+        if self.progress is not None:
+            self.progress(len(slots), 0)
+
+    def _compact(self) -> None:
+        """With nothing to admit, drop parked rows once they are a quarter of the batch."""
+        live = [i for i, row in enumerate(self.slots) if row is not None]
+        parked = len(self.slots) - len(live)
+        if parked == 0 or (live and parked * 4 < len(self.slots)):
+            return
+        if not live:
+            self.slots, self.batch = [], None
+            return
+        self.batch.keep_rows(live)
+        self.slots = [self.slots[i] for i in live]
+
+    def _fail(self, request: PlannedRequest, message: str) -> None:
+        self.outputs[request.request_id] = RequestOutput((), "", "error", message)
+        self.prefixes.release(request, used=False)
+        if self.progress is not None:
+            self.progress(1, 0)
+
+
+def _stack_prefixes(prefixes: list[KVLayers | None], prefix_time: int) -> KVLayers | None:
+    """Left-pad each request's prefix K/V to prefix_time and stack them on the row axis."""
+    if prefix_time == 0:
+        return None
+    template = next(p for p in prefixes if p is not None)
+    stacked = []
+    for layer_index, (k0, v0) in enumerate(template):
+        keys = k0.new_zeros(len(prefixes), k0.shape[1], prefix_time, k0.shape[3])
+        values = v0.new_zeros(len(prefixes), v0.shape[1], prefix_time, v0.shape[3])
+        for i, prefix in enumerate(prefixes):
+            if prefix is None:
+                continue
+            k, v = prefix[layer_index]
+            keys[i, :, prefix_time - k.shape[2] :] = k[0]
+            values[i, :, prefix_time - v.shape[2] :] = v[0]
+        stacked.append((keys, values))
+    return stacked

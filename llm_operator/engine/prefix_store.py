@@ -1,0 +1,80 @@
+"""K/V of shared prefix segments: computed once, held until the last member is admitted.
+
+Contract:
+  acquire(request) -> (K/V of the request's whole shared prefix, each layer
+      [1, kv_heads, prefix_length, head_dim], or None when it shares nothing;
+      logits [vocab] of the prefix's last token, used when the suffix is empty)
+  release(request) -> the request no longer needs its chain; a segment whose
+      every member has been released is freed (it is never evicted earlier).
+A segment's K/V are computed from its parent's (one forward pass over the
+segment's own tokens), so each shared token is prefilled exactly once.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from llm_operator.engine.batch_cache import layers_of
+from llm_operator.planner import Plan, PlannedRequest
+
+if TYPE_CHECKING:
+    from llm_operator.engine.hf import HFBackend
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes of K and V for one token over all layers (from the model config)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = getattr(config, "num_attention_heads", 1)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    layers = getattr(config, "num_hidden_layers", 1)
+    element = next(model.parameters()).element_size()
+    return 2 * layers * kv_heads * head_dim * element
+
+
+class PrefixStore:
+    def __init__(self, backend: HFBackend, plan: Plan) -> None:
+        self.backend = backend
+        self.plan = plan
+        self.entries: dict[int, tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]] = {}
+        self.pending_members = {s.segment_id: s.num_requests for s in plan.segments}
+        self.tokens_computed = 0
+        self._bytes_per_token = kv_bytes_per_token(backend.model)
+
+    def bytes_per_token(self) -> int:
+        return self._bytes_per_token
+
+    def held_bytes(self) -> int:
+        return sum(
+            sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+            for layers, _ in self.entries.values()
+        )
+
+    def acquire(self, request: PlannedRequest):
+        if not request.chain:
+            return None, None
+        return self._segment(request.chain[-1])
+
+    def release(self, request: PlannedRequest, used: bool = True) -> None:
+        for segment_id in request.chain:
+            self.pending_members[segment_id] -= 1
+            assert self.pending_members[segment_id] >= 0, f"segment {segment_id} released too often"
+            if self.pending_members[segment_id] == 0:
+                self.entries.pop(segment_id, None)
+
+    def _segment(self, segment_id: int):
+        entry = self.entries.get(segment_id)
+        if entry is not None:
+            return entry
+        segment = self.plan.segments[segment_id]
+        parent = None if segment.parent_id is None else self._segment(segment.parent_id)[0]
+        input_ids = torch.tensor([list(segment.token_ids)], dtype=torch.long)
+        positions = torch.arange(segment.start, segment.end).unsqueeze(0)
+        mask = torch.ones(1, segment.end, dtype=torch.bool)
+        logits, cache = self.backend.forward(input_ids, mask, positions, parent)
+        entry = (layers_of(cache), logits[0])
+        self.entries[segment_id] = entry
+        self.tokens_computed += len(segment.token_ids)
+        return entry

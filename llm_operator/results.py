@@ -1,0 +1,60 @@
+"""What ``LLMOperator.generate`` returns per row, and the run's statistics."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import NamedTuple
+
+
+class GenerationResult(NamedTuple):
+    """One input row's output.
+
+    finish_reason: "stop" (EOS or a stop string), "length" (max_tokens or the
+    model's context) or "error" (the row could not run; see ``error``).
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+
+    @classmethod
+    def failed(cls, message: str, prompt_tokens: int = 0) -> GenerationResult:
+        return cls("", (), "error", prompt_tokens, 0, message)
+
+
+@dataclass
+class RunStats:
+    """Counters of one ``generate`` call (``LLMOperator.last_stats``)."""
+
+    rows: int = 0
+    error_rows: int = 0
+    requests: int = 0
+    prompt_tokens: int = 0
+    unique_prompt_tokens: int = 0
+    planned_prefill_tokens: int = 0
+    prefill_tokens_computed: int = 0
+    output_tokens: int = 0
+    groups: int = 0
+    saving_ratio: float = 0.0
+    plan_seconds: float = 0.0
+    tokenize_seconds: float = 0.0
+    generate_seconds: float = 0.0
+    seconds: float = 0.0
+    backend: str = ""
+
+    @property
+    def rows_per_second(self) -> float:
+        return self.rows / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def output_tokens_per_second(self) -> float:
+        return self.output_tokens / self.generate_seconds if self.generate_seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["rows_per_second"] = self.rows_per_second
+        d["output_tokens_per_second"] = self.output_tokens_per_second
+        return d

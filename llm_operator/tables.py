@@ -1,0 +1,105 @@
+"""Reading and writing Parquet, CSV and JSONL tables, and building prompts from rows."""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Sequence
+from pathlib import Path
+
+import pyarrow as pa
+
+FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl"}
+
+
+def table_format(path: Path) -> str:
+    fmt = FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise ValueError(f"cannot tell the format of {str(path)!r}: use one of {', '.join(sorted(FORMATS))}")
+    return fmt
+
+
+def read_table(path: str | Path) -> pa.Table:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"input file {str(path)!r} does not exist")
+    fmt = table_format(path)
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path)
+    if fmt == "csv":
+        import pyarrow.csv as pacsv
+
+        return pacsv.read_csv(path)
+    import pyarrow.json as pajson
+
+    return pajson.read_json(path)
+
+
+def write_table(table: pa.Table, path: str | Path) -> None:
+    path = Path(path)
+    fmt = table_format(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        pq.write_table(table, path)
+    elif fmt == "csv":
+        import pyarrow.csv as pacsv
+
+        pacsv.write_csv(table, path)
+    else:
+        import json
+
+        with open(path, "w", encoding="utf-8") as f:
+            for row in table.to_pylist():
+                f.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
+
+
+def template_fields(template: str) -> list[str]:
+    """The ``{field}`` names a template uses."""
+    fields = []
+    for _, name, _, _ in string.Formatter().parse(template):
+        if name is not None:
+            if name == "" or not name.isidentifier():
+                raise ValueError(f"template fields must be column names such as {{review}}, got {{{name}}}")
+            fields.append(name)
+    return fields
+
+
+def prompts_from_table(table: pa.Table, *, prompt_col: str | None, template: str | None) -> list[str | None]:
+    """One prompt per row: a column's values, or a template filled from the row (None where a field is null)."""
+    if (prompt_col is None) == (template is None):
+        raise ValueError("give exactly one of prompt_col and template")
+    columns = table.column_names
+    if prompt_col is not None:
+        if prompt_col not in columns:
+            raise ValueError(f"prompt column {prompt_col!r} is not in the table; columns: {', '.join(columns)}")
+        values = table.column(prompt_col).to_pylist()
+        return values  # non-string values become per-row errors in generate
+    fields = template_fields(template)
+    missing = [f for f in fields if f not in columns]
+    if missing:
+        raise ValueError(f"template fields {missing} are not columns of the table; columns: {', '.join(columns)}")
+    data = {f: table.column(f).to_pylist() for f in dict.fromkeys(fields)}
+    prompts: list[str | None] = []
+    for i in range(table.num_rows):
+        row = {f: data[f][i] for f in data}
+        prompts.append(None if any(v is None for v in row.values()) else template.format_map(row))
+    return prompts
+
+
+def add_result_columns(table: pa.Table, results: Sequence, output: str) -> pa.Table:
+    """Append ``{output}``, ``{output}_finish_reason``, ``_prompt_tokens``, ``_completion_tokens``, ``_error``."""
+    columns = {
+        output: pa.array([r.text for r in results], pa.string()),
+        f"{output}_finish_reason": pa.array([r.finish_reason for r in results], pa.string()),
+        f"{output}_prompt_tokens": pa.array([r.prompt_tokens for r in results], pa.int32()),
+        f"{output}_completion_tokens": pa.array([r.completion_tokens for r in results], pa.int32()),
+        f"{output}_error": pa.array([r.error for r in results], pa.string()),
+    }
+    for name, column in columns.items():
+        if name in table.column_names:
+            raise ValueError(f"output column {name!r} already exists in the table; choose another --output-col")
+        table = table.append_column(name, column)
+    return table
