@@ -1,0 +1,1 @@
+"""Benchmarks: workloads, baselines and reports."""
