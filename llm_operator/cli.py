@@ -13,16 +13,24 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="alias, Hugging Face model directory or .gguf file")
-    parser.add_argument("--trust-remote-code", action="store_true", help="allow code shipped with the model to run")
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help="alias, Hugging Face model directory or .gguf file"
+    )
+    parser.add_argument(
+        "--trust-remote-code", action="store_true", help="allow code shipped with the model to run"
+    )
 
 
 def _add_prompt_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", type=Path, help="a Parquet, CSV or JSONL file")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt-col", help="the column holding the prompts")
-    source.add_argument("--template", help='a prompt template over the columns, e.g. "Review: {text}\\nLabel:"')
-    parser.add_argument("--chat", action="store_true", help="send each prompt as a user chat message")
+    source.add_argument(
+        "--template", help='a prompt template over the columns, e.g. "Review: {text}\\nLabel:"'
+    )
+    parser.add_argument(
+        "--chat", action="store_true", help="send each prompt as a user chat message"
+    )
     parser.add_argument("--system", help="a system message (implies --chat)")
     parser.add_argument("--limit", type=int, help="only the first N rows")
 
@@ -51,13 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="run the model over a table and write the outputs")
     _add_prompt_options(run)
-    run.add_argument("--output", type=Path, required=True, help="output file (.parquet, .csv or .jsonl)")
+    run.add_argument(
+        "--output", type=Path, required=True, help="output file (.parquet, .csv or .jsonl)"
+    )
     run.add_argument("--output-col", default="out", help="name of the output column (default: out)")
     _add_model_options(run)
     _add_sampling_options(run)
     _add_engine_options(run)
 
-    plan = commands.add_parser("plan", help="print the prefix-sharing report without loading the model")
+    plan = commands.add_parser(
+        "plan", help="print the prefix-sharing report without loading the model"
+    )
     _add_prompt_options(plan)
     _add_model_options(plan)
     plan.add_argument("--max-tokens", type=int, default=64)
@@ -68,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--limit", type=int, help="only the first N rows")
     demo.add_argument("--output", type=Path, default=Path("demo-results/demo.jsonl"))
     demo.add_argument("--max-batch-size", type=int, default=64)
-    demo.add_argument("--compare-static", action="store_true", help="also run plain HF generate on fixed batches")
+    demo.add_argument(
+        "--compare-static", action="store_true", help="also run plain HF generate on fixed batches"
+    )
     demo.add_argument("--no-progress", action="store_true")
     return parser
 
@@ -84,7 +98,9 @@ def _load_prompts(args) -> tuple[object, list]:
     prompts = prompts_from_table(table, prompt_col=args.prompt_col, template=args.template)
     if args.chat or args.system:
         system = [{"role": "system", "content": args.system}] if args.system else []
-        prompts = [None if p is None else [*system, {"role": "user", "content": p}] for p in prompts]
+        prompts = [
+            None if p is None else [*system, {"role": "user", "content": p}] for p in prompts
+        ]
     return table, prompts
 
 
@@ -157,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llm-operator {args.command}: error: {error}", file=sys.stderr)
         return 2
     finally:
-        logging.getLogger(__name__).debug("%s took %.1f s", args.command, time.perf_counter() - started)
+        logging.getLogger(__name__).debug(
+            "%s took %.1f s", args.command, time.perf_counter() - started
+        )
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@ _SIZE_UNITS = {
 def parse_memory_size(value: int | str, *, name: str = "kv_cache_memory") -> int | None:
     """Bytes from an int or a string such as "2GiB" or "512 MB"; None for "auto"."""
     if isinstance(value, bool):
-        raise TypeError(f"{name} must be a number of bytes, a size such as '2GiB', or 'auto'; got {value!r}")
+        raise TypeError(
+            f"{name} must be a number of bytes, a size such as '2GiB', or 'auto'; got {value!r}"
+        )
     if isinstance(value, int):
         if value <= 0:
             raise ValueError(f"{name} must be > 0 bytes, got {value!r}")
@@ -40,7 +42,9 @@ def parse_memory_size(value: int | str, *, name: str = "kv_cache_memory") -> int
             number = float(match.group(1)) * _SIZE_UNITS[match.group(2) or ""]
             if number >= 1:
                 return int(number)
-    raise ValueError(f"{name} must be a number of bytes, a size such as '2GiB', or 'auto'; got {value!r}")
+    raise ValueError(
+        f"{name} must be a number of bytes, a size such as '2GiB', or 'auto'; got {value!r}"
+    )
 
 
 def physical_memory_bytes() -> int:

@@ -90,7 +90,7 @@ def _compare_static(op, backend, prompts, results, sampling, batch_size: int) ->
     )
     ours = op.last_stats
     same = sum(list(results[i].token_ids) == static.token_ids[k] for k, i in enumerate(valid))
-    print("\nside by side (same rows, batch size %d):" % batch_size)
+    print(f"\nside by side (same rows, batch size {batch_size}):")
     print(f"  {'system':<22}{'prefill tokens':>16}{'seconds':>10}{'rows/s':>10}")
     print(
         f"  {'hf-static (generate)':<22}{static.padded_prompt_tokens:>16}{static.seconds:>10.1f}"

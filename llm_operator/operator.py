@@ -89,7 +89,10 @@ class LLMOperator:
             device = resolve_device(self.config.device)
             dtype = resolve_dtype(self.config.dtype, device)
             model = load_causal_lm(
-                self.model.path, device=device, dtype=dtype, trust_remote_code=self.config.trust_remote_code
+                self.model.path,
+                device=device,
+                dtype=dtype,
+                trust_remote_code=self.config.trust_remote_code,
             )
             self._backend = HFBackend(
                 model,
@@ -101,14 +104,18 @@ class LLMOperator:
         return self._backend
 
     # -- preparation -----------------------------------------------------
-    def _prepare(self, prompts: Sequence[Prompt], sampling) -> tuple[list, list, dict[int, str], float]:
+    def _prepare(
+        self, prompts: Sequence[Prompt], sampling
+    ) -> tuple[list, list, dict[int, str], float]:
         """Token ids per row (None for bad rows), params per row, errors by row, seconds."""
         started = time.perf_counter()
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             if hasattr(prompts, "tolist"):
                 prompts = prompts.tolist()
             elif isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
-                raise TypeError(f"prompts must be a list of strings or chat message lists, got {type(prompts).__name__}")
+                raise TypeError(
+                    f"prompts must be a list of strings or chat message lists, got {type(prompts).__name__}"
+                )
             else:
                 prompts = list(prompts)
         params = _params_per_row(sampling, len(prompts))
@@ -129,11 +136,15 @@ class LLMOperator:
                 except ValueError as error:
                     errors[row] = str(error)
             else:
-                errors[row] = f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}"
+                errors[row] = (
+                    f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}"
+                )
         token_ids: list[list[int] | None] = [None] * len(prompts)
         for texts, special in ((plain, True), (chat, False)):
             if texts:
-                encoded = self.tokenizer(list(texts.values()), add_special_tokens=special)["input_ids"]
+                encoded = self.tokenizer(list(texts.values()), add_special_tokens=special)[
+                    "input_ids"
+                ]
                 for row, ids in zip(texts, encoded):
                     token_ids[row] = ids
         for row, ids in enumerate(token_ids):
@@ -142,19 +153,27 @@ class LLMOperator:
             if len(ids) == 0:
                 errors[row] = "prompt has no tokens"
             elif len(ids) > self.max_context:
-                errors[row] = f"prompt has {len(ids)} tokens, more than the model's context of {self.max_context}"
+                errors[row] = (
+                    f"prompt has {len(ids)} tokens, more than the model's context of {self.max_context}"
+                )
             if row in errors:
                 token_ids[row] = None
         return token_ids, params, errors, time.perf_counter() - started
 
     def _render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("chat messages need a chat template, and this model's tokenizer has none")
+            raise ValueError(
+                "chat messages need a chat template, and this model's tokenizer has none"
+            )
         for message in messages:
-            if not isinstance(message.get("content"), str) or not isinstance(message.get("role"), str):
+            if not isinstance(message.get("content"), str) or not isinstance(
+                message.get("role"), str
+            ):
                 raise ValueError("each chat message needs a string 'role' and a string 'content'")
         try:
-            return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=True
+            )
         except Exception as error:  # the template's own checks (e.g. role order)
             raise ValueError(f"chat template failed: {error}") from error
 
@@ -174,7 +193,11 @@ class LLMOperator:
         )
 
     # -- public ----------------------------------------------------------
-    def plan(self, prompts: Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> Plan:
+    def plan(
+        self,
+        prompts: Sequence[Prompt],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Plan:
         """The prefix-sharing plan of these prompts, without loading the model (bad rows left out)."""
         token_ids, params, _, _ = self._prepare(prompts, sampling)
         return self._plan(token_ids, params)[0]
@@ -243,7 +266,9 @@ class LLMOperator:
                 generators.append(None)
                 continue
             generator = torch.Generator()
-            generator.manual_seed(row_seed(row_params.seed, request.token_ids, occurrence[plan_row]))
+            generator.manual_seed(
+                row_seed(row_params.seed, request.token_ids, occurrence[plan_row])
+            )
             generators.append(generator)
         return generators
 
@@ -275,9 +300,13 @@ def _params_per_row(sampling, rows: int) -> list[SamplingParams]:
         return [sampling] * rows
     if isinstance(sampling, Sequence) and all(isinstance(p, SamplingParams) for p in sampling):
         if len(sampling) != rows:
-            raise ValueError(f"sampling has {len(sampling)} SamplingParams for {rows} prompts; give one or one per prompt")
+            raise ValueError(
+                f"sampling has {len(sampling)} SamplingParams for {rows} prompts; give one or one per prompt"
+            )
         return list(sampling)
-    raise TypeError(f"sampling must be a SamplingParams or a list of them, got {type(sampling).__name__}")
+    raise TypeError(
+        f"sampling must be a SamplingParams or a list of them, got {type(sampling).__name__}"
+    )
 
 
 def _auto_kv_cache_bytes(device: torch.device) -> int:

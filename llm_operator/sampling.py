@@ -98,7 +98,9 @@ def sample_next_tokens(
     # logits: [rows, vocab]
     logits = logits.float()
     rows = logits.shape[0]
-    assert len(params) == rows and len(generators) == rows, "one SamplingParams and generator per row"
+    assert len(params) == rows and len(generators) == rows, (
+        "one SamplingParams and generator per row"
+    )
     out = torch.argmax(logits, dim=-1).cpu()
     for row, p in enumerate(params):
         if p.greedy:
@@ -107,7 +109,9 @@ def sample_next_tokens(
     return out
 
 
-def _sample_row(row_logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+def _sample_row(
+    row_logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None
+) -> int:
     # row_logits: [vocab]
     scores = (row_logits / p.temperature).cpu()
     if p.top_k > 0 and p.top_k < scores.shape[0]:

@@ -8,13 +8,22 @@ from pathlib import Path
 
 import pyarrow as pa
 
-FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl"}
+FORMATS = {
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".csv": "csv",
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".ndjson": "jsonl",
+}
 
 
 def table_format(path: Path) -> str:
     fmt = FORMATS.get(path.suffix.lower())
     if fmt is None:
-        raise ValueError(f"cannot tell the format of {str(path)!r}: use one of {', '.join(sorted(FORMATS))}")
+        raise ValueError(
+            f"cannot tell the format of {str(path)!r}: use one of {', '.join(sorted(FORMATS))}"
+        )
     return fmt
 
 
@@ -62,25 +71,33 @@ def template_fields(template: str) -> list[str]:
     for _, name, _, _ in string.Formatter().parse(template):
         if name is not None:
             if name == "" or not name.isidentifier():
-                raise ValueError(f"template fields must be column names such as {{review}}, got {{{name}}}")
+                raise ValueError(
+                    f"template fields must be column names such as {{review}}, got {{{name}}}"
+                )
             fields.append(name)
     return fields
 
 
-def prompts_from_table(table: pa.Table, *, prompt_col: str | None, template: str | None) -> list[str | None]:
+def prompts_from_table(
+    table: pa.Table, *, prompt_col: str | None, template: str | None
+) -> list[str | None]:
     """One prompt per row: a column's values, or a template filled from the row (None where a field is null)."""
     if (prompt_col is None) == (template is None):
         raise ValueError("give exactly one of prompt_col and template")
     columns = table.column_names
     if prompt_col is not None:
         if prompt_col not in columns:
-            raise ValueError(f"prompt column {prompt_col!r} is not in the table; columns: {', '.join(columns)}")
+            raise ValueError(
+                f"prompt column {prompt_col!r} is not in the table; columns: {', '.join(columns)}"
+            )
         values = table.column(prompt_col).to_pylist()
         return values  # non-string values become per-row errors in generate
     fields = template_fields(template)
     missing = [f for f in fields if f not in columns]
     if missing:
-        raise ValueError(f"template fields {missing} are not columns of the table; columns: {', '.join(columns)}")
+        raise ValueError(
+            f"template fields {missing} are not columns of the table; columns: {', '.join(columns)}"
+        )
     data = {f: table.column(f).to_pylist() for f in dict.fromkeys(fields)}
     prompts: list[str | None] = []
     for i in range(table.num_rows):
@@ -100,6 +117,8 @@ def add_result_columns(table: pa.Table, results: Sequence, output: str) -> pa.Ta
     }
     for name, column in columns.items():
         if name in table.column_names:
-            raise ValueError(f"output column {name!r} already exists in the table; choose another --output-col")
+            raise ValueError(
+                f"output column {name!r} already exists in the table; choose another --output-col"
+            )
         table = table.append_column(name, column)
     return table

@@ -19,7 +19,13 @@ SYSTEM = "Classify the sentiment as positive, negative or neutral.\n"
 def reviews_csv(tmp_path):
     """A Parquet table (despite the name, any format works) with a null text in row 2."""
     path = tmp_path / "reviews.parquet"
-    texts = ["Great value for the price.", "The box arrived crushed.", None, "Great value for the price.", "Works fine."]
+    texts = [
+        "Great value for the price.",
+        "The box arrived crushed.",
+        None,
+        "Great value for the price.",
+        "Works fine.",
+    ]
     pq.write_table(pa.table({"id": list(range(5)), "text": texts}), path)
     return path
 
@@ -28,13 +34,31 @@ def test_run_template_writes_outputs_in_order(tiny_llama_dir, reviews_csv, tmp_p
     out = tmp_path / "out.parquet"
     template = SYSTEM + "Review: {text}\nSentiment:"
     code = main(
-        ["run", str(reviews_csv), "--template", template, "--output", str(out), "--model", str(tiny_llama_dir),
-         "--max-tokens", "5", "--no-progress"]
+        [
+            "run",
+            str(reviews_csv),
+            "--template",
+            template,
+            "--output",
+            str(out),
+            "--model",
+            str(tiny_llama_dir),
+            "--max-tokens",
+            "5",
+            "--no-progress",
+        ]
     )
     assert code == 0
     table = pq.read_table(out)
-    assert table.column_names == ["id", "text", "out", "out_finish_reason", "out_prompt_tokens",
-                                  "out_completion_tokens", "out_error"]
+    assert table.column_names == [
+        "id",
+        "text",
+        "out",
+        "out_finish_reason",
+        "out_prompt_tokens",
+        "out_completion_tokens",
+        "out_error",
+    ]
     rows = table.to_pylist()
     assert [r["id"] for r in rows] == [0, 1, 2, 3, 4]
     # the null text makes that row an error; the others ran
@@ -53,8 +77,25 @@ def test_run_prompt_column_jsonl_chat(tiny_llama_dir, tmp_path):
     source = tmp_path / "in.jsonl"
     source.write_text("\n".join(json.dumps({"q": q}) for q in ["Why?", "Is it good?"]) + "\n")
     out = tmp_path / "out.jsonl"
-    code = main(["run", str(source), "--prompt-col", "q", "--system", "Answer briefly.", "--output", str(out),
-                 "--output-col", "answer", "--model", str(tiny_llama_dir), "--max-tokens", "3", "--no-progress"])
+    code = main(
+        [
+            "run",
+            str(source),
+            "--prompt-col",
+            "q",
+            "--system",
+            "Answer briefly.",
+            "--output",
+            str(out),
+            "--output-col",
+            "answer",
+            "--model",
+            str(tiny_llama_dir),
+            "--max-tokens",
+            "3",
+            "--no-progress",
+        ]
+    )
     assert code == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["q"] for r in rows] == ["Why?", "Is it good?"]
@@ -64,8 +105,17 @@ def test_run_prompt_column_jsonl_chat(tiny_llama_dir, tmp_path):
 
 
 def test_plan_prints_the_report_without_the_model(tiny_llama_dir, reviews_csv, capsys):
-    code = main(["plan", str(reviews_csv), "--template", SYSTEM + "Review: {text}", "--model", str(tiny_llama_dir),
-                 "--json"])
+    code = main(
+        [
+            "plan",
+            str(reviews_csv),
+            "--template",
+            SYSTEM + "Review: {text}",
+            "--model",
+            str(tiny_llama_dir),
+            "--json",
+        ]
+    )
     assert code == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["rows"] == 4  # the null row is left out
@@ -81,17 +131,54 @@ def test_plan_prints_the_report_without_the_model(tiny_llama_dir, reviews_csv, c
     ],
 )
 def test_run_errors_name_the_problem(tiny_llama_dir, reviews_csv, tmp_path, capsys, args, message):
-    code = main(["run", str(reviews_csv), *args, "--output", str(tmp_path / "o.parquet"), "--model",
-                 str(tiny_llama_dir), "--no-progress"])
+    code = main(
+        [
+            "run",
+            str(reviews_csv),
+            *args,
+            "--output",
+            str(tmp_path / "o.parquet"),
+            "--model",
+            str(tiny_llama_dir),
+            "--no-progress",
+        ]
+    )
     assert code == 2
     assert message in capsys.readouterr().err
 
 
-def test_run_refuses_unknown_formats_and_missing_files(tiny_llama_dir, reviews_csv, tmp_path, capsys):
-    assert main(["run", str(reviews_csv), "--prompt-col", "text", "--output", str(tmp_path / "o.xlsx"),
-                 "--model", str(tiny_llama_dir)]) == 2
+def test_run_refuses_unknown_formats_and_missing_files(
+    tiny_llama_dir, reviews_csv, tmp_path, capsys
+):
+    assert (
+        main(
+            [
+                "run",
+                str(reviews_csv),
+                "--prompt-col",
+                "text",
+                "--output",
+                str(tmp_path / "o.xlsx"),
+                "--model",
+                str(tiny_llama_dir),
+            ]
+        )
+        == 2
+    )
     assert "cannot tell the format" in capsys.readouterr().err
-    assert main(["plan", str(tmp_path / "nope.csv"), "--prompt-col", "text", "--model", str(tiny_llama_dir)]) == 2
+    assert (
+        main(
+            [
+                "plan",
+                str(tmp_path / "nope.csv"),
+                "--prompt-col",
+                "text",
+                "--model",
+                str(tiny_llama_dir),
+            ]
+        )
+        == 2
+    )
     assert "does not exist" in capsys.readouterr().err
 
 

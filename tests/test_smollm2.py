@@ -11,21 +11,34 @@ from llm_operator import LLMOperator, SamplingParams
 @pytest.mark.slow
 def test_smollm2_matches_hf_generate():
     op = LLMOperator("smollm2-135m-instruct", backend="hf", max_batch_size=2)
-    system = {"role": "system", "content": "You label product reviews as positive, negative or neutral."}
+    system = {
+        "role": "system",
+        "content": "You label product reviews as positive, negative or neutral.",
+    }
     prompts = [
-        [system, {"role": "user", "content": "Review: The battery died after two days.\nSentiment:"}],
+        [
+            system,
+            {"role": "user", "content": "Review: The battery died after two days.\nSentiment:"},
+        ],
         [system, {"role": "user", "content": "Review: Works great, fast shipping!\nSentiment:"}],
-        [system, {"role": "user", "content": "Review: It is a kettle. It boils water.\nSentiment:"}],
+        [
+            system,
+            {"role": "user", "content": "Review: It is a kettle. It boils water.\nSentiment:"},
+        ],
         "The capital of France is",
     ]
     results = op.generate(prompts, SamplingParams(max_tokens=8))
-    assert op.last_stats.prefill_tokens_computed < op.last_stats.prompt_tokens  # the system prompt is shared
+    assert (
+        op.last_stats.prefill_tokens_computed < op.last_stats.prompt_tokens
+    )  # the system prompt is shared
     model = op.backend().model
     for prompt, result in zip(prompts, results):
         if isinstance(prompt, str):
             ids = op.tokenizer(prompt)["input_ids"]
         else:
-            text = op.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            text = op.tokenizer.apply_chat_template(
+                prompt, tokenize=False, add_generation_prompt=True
+            )
             ids = op.tokenizer(text, add_special_tokens=False)["input_ids"]
         input_ids = torch.tensor([ids])
         expected = model.generate(

@@ -26,7 +26,11 @@ def layers_of(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     layers = []
     for layer in cache.layers:
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if not isinstance(keys, torch.Tensor) or keys.dim() != 4 or getattr(layer, "is_sliding", False):
+        if (
+            not isinstance(keys, torch.Tensor)
+            or keys.dim() != 4
+            or getattr(layer, "is_sliding", False)
+        ):
             raise ValueError(
                 f"the hf backend needs a plain key/value cache per layer; this model uses {type(layer).__name__}"
             )
@@ -37,7 +41,9 @@ def layers_of(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
 class _BufferLayer(DynamicLayer):
     """A cache layer that appends into a preallocated buffer instead of concatenating."""
 
-    def __init__(self, buffer_keys: torch.Tensor, buffer_values: torch.Tensor, owner: DenseBatchCache):
+    def __init__(
+        self, buffer_keys: torch.Tensor, buffer_values: torch.Tensor, owner: DenseBatchCache
+    ):
         super().__init__()
         self.buffer_keys = buffer_keys  # [rows, kv_heads, capacity, head_dim]
         self.buffer_values = buffer_values
@@ -69,7 +75,12 @@ class DenseBatchCache:
     positions: [rows] the position id of each row's next token.
     """
 
-    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor, positions: torch.Tensor):
+    def __init__(
+        self,
+        layers: list[tuple[torch.Tensor, torch.Tensor]],
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+    ):
         # layers[i]: (keys, values), each [rows, kv_heads, time, head_dim]; mask: [rows, time]
         self.start = 0
         self.length = mask.shape[1]
@@ -91,7 +102,8 @@ class DenseBatchCache:
     def bytes_per_column(self) -> int:
         """Bytes of one row's K and V at one position, over all layers."""
         return sum(
-            layer.buffer_keys[0, :, 0].numel() * layer.buffer_keys.element_size() * 2 for layer in self.layers
+            layer.buffer_keys[0, :, 0].numel() * layer.buffer_keys.element_size() * 2
+            for layer in self.layers
         )
 
     def allocated_bytes(self) -> int:
@@ -100,7 +112,9 @@ class DenseBatchCache:
     def row_lengths(self) -> torch.Tensor:
         """Columns from each row's first real token to the end of the time axis."""
         live = self.mask[:, self.start : self.length]
-        first = torch.where(live.any(dim=1), live.float().argmax(dim=1), torch.full((self.rows,), self.time))
+        first = torch.where(
+            live.any(dim=1), live.float().argmax(dim=1), torch.full((self.rows,), self.time)
+        )
         return self.time - first
 
     # -- the forward pass ------------------------------------------------
@@ -130,7 +144,9 @@ class DenseBatchCache:
         # layers[i]: [new_rows, kv_heads, row_time, head_dim]; mask: [new_rows, row_time]
         row_time = mask.shape[1]
         appended = [s for s in slots if s >= self.rows]
-        assert appended == list(range(self.rows, self.rows + len(appended))), "slots append in order"
+        assert appended == list(range(self.rows, self.rows + len(appended))), (
+            "slots append in order"
+        )
         if row_time > self.time:
             self._extend_left(row_time - self.time)
         if appended:
@@ -197,7 +213,9 @@ class DenseBatchCache:
     def _reallocate(self, *, left: int, right: int) -> None:
         """New buffers with ``left`` more columns before column 0 and ``right`` after capacity."""
         rows = self.rows
-        mask = torch.zeros(rows, left + self.capacity + right, dtype=torch.bool, device=self.mask.device)
+        mask = torch.zeros(
+            rows, left + self.capacity + right, dtype=torch.bool, device=self.mask.device
+        )
         mask[:, left : left + self.capacity] = self.mask
         self.mask = mask
         for layer in self.layers:
@@ -228,8 +246,12 @@ class DenseBatchCache:
         for layer in self.layers:
             k = layer.buffer_keys[index, :, : self.length]
             v = layer.buffer_values[index, :, : self.length]
-            layer.buffer_keys[index, :, : self.length] = torch.where(keep, k, torch.zeros((), dtype=k.dtype))
-            layer.buffer_values[index, :, : self.length] = torch.where(keep, v, torch.zeros((), dtype=v.dtype))
+            layer.buffer_keys[index, :, : self.length] = torch.where(
+                keep, k, torch.zeros((), dtype=k.dtype)
+            )
+            layer.buffer_values[index, :, : self.length] = torch.where(
+                keep, v, torch.zeros((), dtype=v.dtype)
+            )
 
     def _refresh(self) -> None:
         for layer in self.layers:

@@ -120,7 +120,9 @@ class _Row:
 
     __slots__ = ("request", "decoder", "generator", "params", "pending_token")
 
-    def __init__(self, request: PlannedRequest, decoder: RowDecoder, params: SamplingParams, generator):
+    def __init__(
+        self, request: PlannedRequest, decoder: RowDecoder, params: SamplingParams, generator
+    ):
         self.request = request
         self.decoder = decoder
         self.params = params
@@ -165,7 +167,9 @@ class _Run:
                 if chosen or any(self.slots):
                     break  # wait for rows to finish
                 self.waiting.popleft()
-                self._fail(request, "the request needs more KV cache memory than kv_cache_memory allows")
+                self._fail(
+                    request, "the request needs more KV cache memory than kv_cache_memory allows"
+                )
                 continue
             chosen.append(self.waiting.popleft())
         if not chosen:
@@ -181,7 +185,9 @@ class _Run:
             return True
         active = [row for row in self.slots if row is not None]
         rows = len(active) + len(chosen) + 1
-        time = max([self.batch.time if self.batch else 0] + [len(r.token_ids) for r in chosen + [request]])
+        time = max(
+            [self.batch.time if self.batch else 0] + [len(r.token_ids) for r in chosen + [request]]
+        )
         remaining = max(
             [row.decoder.max_tokens - len(row.decoder.token_ids) for row in active]
             + [self.params[r.request_id].max_tokens for r in chosen + [request]]
@@ -204,7 +210,9 @@ class _Run:
 
     def _prefill_and_insert(self, requests: list[PlannedRequest], free: list[int]) -> None:
         """Prefill the requests' suffixes from their prefix K/V, sample their first token, add them to the batch."""
-        prefixes = [self.prefixes.acquire(r) for r in requests]  # (layers [1,h,P,d], last logits) per request
+        prefixes = [
+            self.prefixes.acquire(r) for r in requests
+        ]  # (layers [1,h,P,d], last logits) per request
         prefix_time = max(len(r.token_ids) - len(r.suffix) for r in requests)
         suffix_time = max(len(r.suffix) for r in requests)
         rows = len(requests)
@@ -216,8 +224,12 @@ class _Run:
             mask[i, prefix_time - prefix_length : prefix_time] = True
             mask[i, prefix_time + suffix_time - len(suffix) :] = True
             if suffix:
-                input_ids[i, suffix_time - len(suffix) :] = torch.as_tensor(list(suffix), dtype=torch.long)
-                position_ids[i, suffix_time - len(suffix) :] = torch.arange(prefix_length, len(request.token_ids))
+                input_ids[i, suffix_time - len(suffix) :] = torch.as_tensor(
+                    list(suffix), dtype=torch.long
+                )
+                position_ids[i, suffix_time - len(suffix) :] = torch.arange(
+                    prefix_length, len(request.token_ids)
+                )
         layers = _stack_prefixes([p[0] for p in prefixes], prefix_time)
         if suffix_time > 0:
             logits, cache = self.backend.forward(input_ids, mask, position_ids, layers)
@@ -226,12 +238,17 @@ class _Run:
         else:
             logits = None
         first_logits = torch.stack(
-            [p[1] if not r.suffix else logits[i] for i, (r, p) in enumerate(zip(requests, prefixes))]
+            [
+                p[1] if not r.suffix else logits[i]
+                for i, (r, p) in enumerate(zip(requests, prefixes))
+            ]
         )
         for request in requests:
             self.prefixes.release(request)
         new_rows = [self._start_row(r) for r in requests]
-        tokens = sample_next_tokens(first_logits, [row.params for row in new_rows], [row.generator for row in new_rows])
+        tokens = sample_next_tokens(
+            first_logits, [row.params for row in new_rows], [row.generator for row in new_rows]
+        )
         positions = torch.tensor([len(r.token_ids) for r in requests], dtype=torch.long)
         slots = [free.pop(0) if free else len(self.slots) + k for k in range(rows)]
         appended = sum(1 for s in slots if s >= len(self.slots))
@@ -263,7 +280,10 @@ class _Run:
     def decode(self) -> None:
         batch = self.batch
         tokens = torch.tensor(
-            [row.pending_token if row is not None else self.backend.pad_token_id for row in self.slots],
+            [
+                row.pending_token if row is not None else self.backend.pad_token_id
+                for row in self.slots
+            ],
             dtype=torch.long,
         )
         cache, mask, positions = batch.prepare_decode()
@@ -278,7 +298,11 @@ class _Run:
             [self.slots[i].params for i in live],
             [self.slots[i].generator for i in live],
         )
-        finished = [slot for slot, token in zip(live, sampled.tolist()) if self._append_token(self.slots[slot], token)]
+        finished = [
+            slot
+            for slot, token in zip(live, sampled.tolist())
+            if self._append_token(self.slots[slot], token)
+        ]
         self._retire(finished)
 
     def _append_token(self, row: _Row, token: int) -> bool:

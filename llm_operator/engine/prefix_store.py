@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 
 def kv_bytes_per_token(model) -> int:
     """Bytes of K and V for one token over all layers (from the model config)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = (
+        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    )
     heads = getattr(config, "num_attention_heads", 1)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads

@@ -1,0 +1,173 @@
+"""Device and dtype choice, and loading a tokenizer and a causal LM from a local directory.
+
+Loading never touches the network (`local_files_only=True`) and never reads
+pickle checkpoints (`use_safetensors=True`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from llm_operator.models.registry import validate_model_directory
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DEVICE_TYPES = ("cpu", "cuda", "mps")
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """ "auto" -> cuda if available else cpu; otherwise a validated, available device.
+
+    Accepts "auto", "cpu", "cuda", "cuda:N", "mps" and torch.device objects. A bare
+    "cuda" becomes "cuda:<current device>". Raises TypeError for other types and
+    ValueError for unknown or unavailable devices.
+    """
+    if isinstance(device, str):
+        text = device.strip().lower()
+        if text == "auto":
+            return (
+                torch.device("cuda", torch.cuda.current_device())
+                if torch.cuda.is_available()
+                else torch.device("cpu")
+            )
+        try:
+            parsed = torch.device(text)
+        except (RuntimeError, ValueError) as error:
+            raise ValueError(
+                f"device={device!r} is not a device; use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"
+            ) from error
+    elif isinstance(device, torch.device):
+        parsed = device
+    else:
+        raise TypeError(
+            f"device must be a str or torch.device, got {type(device).__name__}: {device!r}"
+        )
+
+    if parsed.type not in DEVICE_TYPES:
+        raise ValueError(
+            f"device={device!r}: device type {parsed.type!r} is not supported; use one of {DEVICE_TYPES}"
+        )
+    if parsed.type == "cpu":
+        return torch.device("cpu")
+    if parsed.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"device={device!r} but MPS is not available on this machine")
+        return torch.device("mps")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available on this machine")
+    index = torch.cuda.current_device() if parsed.index is None else parsed.index
+    if not 0 <= index < torch.cuda.device_count():
+        raise ValueError(
+            f"device={device!r} but this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
+    return torch.device("cuda", index)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """ "auto" -> float32 on cpu/mps, bfloat16 on cuda when supported else float16.
+
+    Also accepts "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16"/"half" and
+    those torch dtypes. Raises TypeError for other types, ValueError for other values.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
+        return dtype
+    if not isinstance(dtype, str):
+        raise TypeError(
+            f"dtype must be a str or torch.dtype, got {type(dtype).__name__}: {dtype!r}"
+        )
+    text = dtype.strip().lower().removeprefix("torch.")
+    if text == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if text not in DTYPE_NAMES:
+        raise ValueError(
+            f"dtype={dtype!r} is not supported; use 'auto' or one of {sorted(DTYPE_NAMES)}"
+        )
+    return DTYPE_NAMES[text]
+
+
+def _require_directory(model_dir: Path, parameter: str = "model_dir") -> Path:
+    if not isinstance(model_dir, (str, Path)):
+        raise TypeError(
+            f"{parameter} must be a Path, got {type(model_dir).__name__}: {model_dir!r}"
+        )
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"{parameter}={str(model_dir)!r} is not a directory")
+    return model_dir
+
+
+def load_tokenizer(model_dir: Path, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The fast tokenizer of `model_dir`, with a pad token (eos if none) and left padding.
+
+    Raises ValueError if only a slow tokenizer is available or it has neither a
+    pad nor an eos token.
+    """
+    from transformers import AutoTokenizer
+
+    model_dir = _require_directory(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_dir, use_fast=True, local_files_only=True, trust_remote_code=trust_remote_code
+    )
+    if not tokenizer.is_fast:
+        raise ValueError(
+            f"model_dir={str(model_dir)!r}: only a slow tokenizer ({type(tokenizer).__name__}) is "
+            f"available; a fast tokenizer (tokenizer.json) is required"
+        )
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(
+                f"model_dir={str(model_dir)!r}: the tokenizer has neither an eos nor a pad token"
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def load_causal_lm(
+    model_dir: Path,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """AutoModelForCausalLM from safetensors in `model_dir`, in eval mode, on `device` in `dtype`.
+
+    The directory is validated first (`registry.validate_model_directory`), so
+    pickle checkpoints and unrequested remote code are refused with ValueError.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model_dir = _require_directory(model_dir)
+    if not isinstance(device, torch.device):
+        raise TypeError(f"device must be a torch.device (see resolve_device), got {device!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (see resolve_dtype), got {dtype!r}")
+    validate_model_directory(model_dir, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir,
+        dtype=dtype,
+        use_safetensors=True,
+        local_files_only=True,
+        trust_remote_code=trust_remote_code,
+    )
+    model.to(device)
+    model.eval()
+    return model

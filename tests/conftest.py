@@ -1,0 +1,127 @@
+"""Shared offline fixtures: a tiny trained tokenizer and tiny random Llama/Qwen2/Mistral models.
+
+Everything is built once per session under tmp_path_factory with fixed seeds,
+in a few seconds, without network access.
+
+- tiny_tokenizer_dir: byte-level BPE (vocab ~512) trained on TINY_CORPUS; eos = pad =
+  `<|endoftext|>` (id 0), `<|im_start|>` = 1, `<|im_end|>` = 2, no bos, ChatML template.
+- tiny_llama_dir / tiny_qwen2_dir / tiny_mistral_dir: config.json, model.safetensors (fp32),
+  generation_config.json (eos 0) and the tokenizer files. See helpers.tiny_config.
+- tiny_model_dir: parametrized over ("llama", "qwen2", "mistral").
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+TESTS_DIR = str(Path(__file__).resolve().parent)
+if TESTS_DIR not in sys.path:
+    sys.path.insert(0, TESTS_DIR)  # so tests can `from helpers import ...`
+
+from helpers import TINY_FAMILIES, build_tiny_model, build_tiny_tokenizer  # noqa: E402
+
+TINY_MODEL_SEEDS = {"llama": 1234, "qwen2": 2345, "mistral": 3456}
+
+TINY_CORPUS = (
+    "The battery lasts two full days and charges in under an hour.",
+    "I returned the headphones because the left ear cup stopped working after a week.",
+    "Great value for the price, would buy again.",
+    "Shipping took 12 days and the box arrived crushed.",
+    "Customer support answered my email within 24 hours and solved the problem.",
+    "The blender is loud, but it crushes ice in seconds.",
+    "My order #4521 was charged twice; please refund the duplicate payment.",
+    "How do I reset my password? The link in the email has expired.",
+    "The app crashes every time I open the settings page on Android 14.",
+    "Terrible fit: the shoes run a full size small.",
+    "Five stars! The coffee maker brews a hot, strong cup every morning.",
+    "The screen has a dead pixel in the top right corner.",
+    "Can I change the delivery address after the order has shipped?",
+    "Product works as described, nothing more, nothing less.",
+    "The instructions were confusing, so assembly took three hours.",
+    "Ticket 88: user cannot log in after the latest update.",
+    "Priority: high. The checkout page returns error 500 for all customers.",
+    "Please cancel my subscription and confirm by email.",
+    "The jacket is warm, light and the zipper feels sturdy.",
+    "I love the color, but the fabric pills after washing.",
+    "Refund received, thank you for the quick help!",
+    "The laptop gets very hot when playing video games.",
+    "Summarize the review in one sentence.",
+    "Classify the sentiment as positive, negative or neutral.",
+    "Extract the product name and the main complaint.",
+    "Answer with a single word: yes or no.",
+    "The vacuum cleaner picks up pet hair easily and is quiet.",
+    "Battery drains fast; it barely lasts four hours.",
+    "The package was left at the wrong door and a neighbor found it.",
+    "Our team uses this printer daily and it has never jammed.",
+    "The discount code SAVE10 did not apply at checkout.",
+    "Why was my account locked? I did not try to log in.",
+    "The tent kept us dry during a heavy storm.",
+    "Sound quality is clear, but the bass is weak.",
+    "Received the wrong size; I need an exchange for a medium.",
+    "The keyboard is comfortable and the keys are quiet.",
+    "It stopped charging after the warranty ended, of course.",
+    "Delivery was fast and the packaging was recyclable.",
+    "The manual is only in French; please send an English copy.",
+    "Is this item compatible with the older model?",
+    "The water bottle leaks when it is laid on its side.",
+    "Excellent service from start to finish.",
+    "The knife set is sharp, balanced and easy to clean.",
+    "I was on hold for 45 minutes before anyone answered.",
+    "Label: billing, shipping, technical or other.",
+    "Rate the urgency from 1 to 5 and explain briefly.",
+    "The smart watch counts steps accurately and the strap is soft.",
+    "Two of the six glasses arrived broken.",
+    "Works fine with Windows, but the Mac driver is missing.",
+    "Thanks! The replacement part fixed the noise.",
+    "User reports slow loading times on the dashboard since Monday.",
+    "The mattress is firm, which helped my back pain.",
+    "Stop sending me marketing emails, I unsubscribed twice.",
+    "Overall a solid purchase; setup took five minutes.",
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fast byte-level BPE tokenizer directory (eos = pad = `<|endoftext|>` = 0, ChatML)."""
+    return build_tiny_tokenizer(tmp_path_factory.mktemp("tiny-tokenizer"), TINY_CORPUS)
+
+
+def _build_family(
+    family: str, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
+) -> Path:
+    output_dir = tmp_path_factory.mktemp(f"tiny-{family}")
+    return build_tiny_model(output_dir, family, tokenizer_dir, TINY_MODEL_SEEDS[family])
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Path:
+    """Tiny random LlamaForCausalLM (tied embeddings) + tokenizer, fp32 safetensors."""
+    return _build_family("llama", tmp_path_factory, tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Path:
+    """Tiny random Qwen2ForCausalLM (q/k/v bias, untied head) + tokenizer, fp32 safetensors."""
+    return _build_family("qwen2", tmp_path_factory, tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Path:
+    """Tiny random MistralForCausalLM (no sliding window, untied head) + tokenizer, fp32."""
+    return _build_family("mistral", tmp_path_factory, tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="session", params=TINY_FAMILIES)
+def tiny_model_dir(request: pytest.FixtureRequest) -> Path:
+    """Each tiny model directory in turn: llama, qwen2, mistral."""
+    return request.getfixturevalue(f"tiny_{request.param}_dir")
