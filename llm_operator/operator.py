@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import Counter
@@ -88,12 +89,13 @@ class LLMOperator:
 
             device = resolve_device(self.config.device)
             dtype = resolve_dtype(self.config.dtype, device)
-            model = load_causal_lm(
-                self.model.path,
-                device=device,
-                dtype=dtype,
-                trust_remote_code=self.config.trust_remote_code,
-            )
+            with _transformers_progress_bars(self.config.progress):
+                model = load_causal_lm(
+                    self.model.path,
+                    device=device,
+                    dtype=dtype,
+                    trust_remote_code=self.config.trust_remote_code,
+                )
             self._backend = HFBackend(
                 model,
                 self.tokenizer,
@@ -216,7 +218,7 @@ class LLMOperator:
         generators = self._generators(plan, valid, token_ids, params)
         generate_started = time.perf_counter()
         if backend is not None:
-            with ProgressBar(len(plan.requests), enabled=self.config.progress) as bar:
+            with ProgressBar(len(valid), enabled=self.config.progress) as bar:
                 result = backend.run(plan, request_params, generators, progress=bar.update)
             outputs, prefilled, output_tokens = result
         else:
@@ -307,6 +309,21 @@ def _params_per_row(sampling, rows: int) -> list[SamplingParams]:
     raise TypeError(
         f"sampling must be a SamplingParams or a list of them, got {type(sampling).__name__}"
     )
+
+
+@contextlib.contextmanager
+def _transformers_progress_bars(enabled: bool):
+    """transformers' own bars (e.g. "Loading weights") follow the operator's progress option."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if not enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _auto_kv_cache_bytes(device: torch.device) -> int:

@@ -1,4 +1,4 @@
-"""A progress bar for long runs: requests done and output tokens per second."""
+"""A progress bar for long runs: rows done and output tokens per second."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class ProgressBar:
         if self.enabled:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total, desc=description, unit="req", dynamic_ncols=True)
+            self._bar = tqdm(total=total, desc=description, unit="row", dynamic_ncols=True)
 
     def update(self, finished: int, new_tokens: int) -> None:
         if self._bar is None:

@@ -290,3 +290,13 @@ def test_padding_columns_are_trimmed():
     assert torch.equal(keys[0], new_keys[0][0][0])
     assert torch.equal(keys[1, :, :2], torch.zeros(2, 2, 4))  # left padding of the short row
     assert cache.mask[:, cache.start : cache.length].sum(dim=1).tolist() == [5, 3]
+
+
+def test_progress_bar_only_when_asked(tiny_llama_dir, capsys):
+    prompts = three_level_prompts()
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    LLMOperator(tiny_llama_dir, backend="hf").generate(prompts, params)
+    assert capsys.readouterr().err == ""
+    LLMOperator(tiny_llama_dir, backend="hf", progress=True).generate(prompts, params)
+    err = capsys.readouterr().err
+    assert f"{len(prompts)}/{len(prompts)}" in err and "row" in err and "tok/s" in err

@@ -29,7 +29,7 @@ class BackendResult(NamedTuple):
     output_tokens: int
 
 
-# progress(finished_requests, new_output_tokens)
+# progress(finished_rows, new_output_tokens): rows are input rows (a merged request counts each)
 ProgressCallback = Callable[[int, int], None]
 
 

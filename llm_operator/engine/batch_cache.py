@@ -242,8 +242,9 @@ class DenseBatchCache:
         pad = ~self.mask[index, : self.length]  # [rows, length]
         if not bool(pad.any()):
             return
-        keep = (~pad)[:, None, :, None]
+        keep_cpu = (~pad)[:, None, :, None]
         for layer in self.layers:
+            keep = keep_cpu.to(layer.buffer_keys.device)
             k = layer.buffer_keys[index, :, : self.length]
             v = layer.buffer_values[index, :, : self.length]
             layer.buffer_keys[index, :, : self.length] = torch.where(

@@ -196,14 +196,14 @@ class _Run:
         return projected + self.prefixes.held_bytes() <= budget
 
     def _prefill_parts(self, chosen: list[PlannedRequest]) -> list[list[PlannedRequest]]:
-        """Split admitted requests into prefill passes of at most prefill_batch_tokens padded tokens."""
+        """Split admitted requests into prefill passes of at most prefill_batch_tokens padded suffix tokens."""
         parts: list[list[PlannedRequest]] = [[]]
         widest = 0
         for request in chosen:
-            width = max(widest, len(request.token_ids))
+            width = max(widest, len(request.suffix), 1)
             if parts[-1] and width * (len(parts[-1]) + 1) > self.backend.prefill_batch_tokens:
                 parts.append([])
-                width = len(request.token_ids)
+                width = max(len(request.suffix), 1)
             parts[-1].append(request)
             widest = width
         return parts
@@ -313,16 +313,18 @@ class _Run:
     def _retire(self, slots: list[int]) -> None:
         if not slots:
             return
+        finished_rows = 0
         for slot in slots:
             row = self.slots[slot]
             decoder = row.decoder
             self.outputs[row.request.request_id] = RequestOutput(
                 tuple(decoder.token_ids), decoder.final_text(), decoder.finish_reason
             )
+            finished_rows += len(row.request.rows)
             self.slots[slot] = None
         self.batch.park_rows(slots)
         if self.progress is not None:
-            self.progress(len(slots), 0)
+            self.progress(finished_rows, 0)
 
     def _compact(self) -> None:
         """With nothing to admit, drop parked rows once they are a quarter of the batch."""
@@ -340,7 +342,7 @@ class _Run:
         self.outputs[request.request_id] = RequestOutput((), "", "error", message)
         self.prefixes.release(request, used=False)
         if self.progress is not None:
-            self.progress(1, 0)
+            self.progress(len(request.rows), 0)
 
 
 def _stack_prefixes(prefixes: list[KVLayers | None], prefix_time: int) -> KVLayers | None:
