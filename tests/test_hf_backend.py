@@ -252,8 +252,8 @@ def test_kv_budget_waits_instead_of_failing(tiny_llama_dir):
     unbounded = LLMOperator(tiny_llama_dir, backend="hf", max_batch_size=8).generate(
         prompts, params
     )
-    # 2 layers x 2 kv heads x 16 dims x 2 (K,V) x 4 bytes = 512 bytes per token: room for ~2 rows
-    tight = LLMOperator(tiny_llama_dir, backend="hf", max_batch_size=8, kv_cache_memory=512 * 260)
+    # 2 layers x 2 kv heads x 16 dims x 2 (K,V) x 4 bytes = 512 bytes per token: room for ~3 rows
+    tight = LLMOperator(tiny_llama_dir, backend="hf", max_batch_size=8, kv_cache_memory=512 * 450)
     assert [r.token_ids for r in tight.generate(prompts, params)] == [
         r.token_ids for r in unbounded
     ]
@@ -300,3 +300,27 @@ def test_progress_bar_only_when_asked(tiny_llama_dir, capsys):
     LLMOperator(tiny_llama_dir, backend="hf", progress=True).generate(prompts, params)
     err = capsys.readouterr().err
     assert f"{len(prompts)}/{len(prompts)}" in err and "row" in err and "tok/s" in err
+
+
+def test_budget_limited_admission_reuses_and_appends_rows(tiny_qwen2_dir):
+    """Rows finish at different steps while the KV budget, not max_batch_size, limits the
+    batch: admissions then fill freed rows and append new ones in the same pass."""
+    rng = random.Random(11)
+    words = "the battery screen box order refund shipping quiet fast broken great".split()
+    prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(16)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 9), ignore_eos=True) for _ in prompts]
+    expected = None
+    for rows in (3, 4, 5):
+        # 512 bytes per token; each row may claim about 40 + 9 + 64 columns
+        op = LLMOperator(
+            tiny_qwen2_dir, backend="hf", max_batch_size=8, kv_cache_memory=512 * 120 * rows
+        )
+        results = op.generate(prompts, params)
+        if expected is None:
+            expected = [
+                hf_generate_greedy(
+                    tiny_qwen2_dir, op.tokenizer(prompt)["input_ids"], p.max_tokens, ignore_eos=True
+                )
+                for prompt, p in zip(prompts, params)
+            ]
+        assert [list(r.token_ids) for r in results] == expected

@@ -20,7 +20,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from llm_operator.engine.base import BackendResult, ProgressCallback, RequestOutput
-from llm_operator.engine.batch_cache import DenseBatchCache, layers_of
+from llm_operator.engine.batch_cache import GROWTH_COLUMNS, DenseBatchCache, layers_of
 from llm_operator.engine.prefix_store import PrefixStore
 from llm_operator.engine.stopping import RowDecoder
 from llm_operator.planner import Plan, PlannedRequest
@@ -184,15 +184,19 @@ class _Run:
         if budget is None:
             return True
         active = [row for row in self.slots if row is not None]
-        rows = len(active) + len(chosen) + 1
-        time = max(
-            [self.batch.time if self.batch else 0] + [len(r.token_ids) for r in chosen + [request]]
+        entering = chosen + [request]
+        rows = len(active) + len(entering)
+        # an entering row spans (longest prefix + longest suffix) columns of its prefill pass
+        entering_time = max(r.prefix_length for r in entering) + max(
+            len(r.suffix) for r in entering
         )
+        time = max(self.batch.time if self.batch else 0, entering_time)
         remaining = max(
             [row.decoder.max_tokens - len(row.decoder.token_ids) for row in active]
-            + [self.params[r.request_id].max_tokens for r in chosen + [request]]
+            + [self.params[r.request_id].max_tokens for r in entering]
         )
-        projected = rows * (time + remaining) * self.prefixes.bytes_per_token()
+        columns = time + remaining + GROWTH_COLUMNS  # the buffer grows in steps of GROWTH_COLUMNS
+        projected = rows * columns * self.prefixes.bytes_per_token()
         return projected + self.prefixes.held_bytes() <= budget
 
     def _prefill_parts(self, chosen: list[PlannedRequest]) -> list[list[PlannedRequest]]:
@@ -250,9 +254,11 @@ class _Run:
             first_logits, [row.params for row in new_rows], [row.generator for row in new_rows]
         )
         positions = torch.tensor([len(r.token_ids) for r in requests], dtype=torch.long)
-        slots = [free.pop(0) if free else len(self.slots) + k for k in range(rows)]
-        appended = sum(1 for s in slots if s >= len(self.slots))
-        self.slots.extend([None] * appended)
+        reused = free[:rows]  # BATON: freed rows of the running batch first
+        del free[:rows]
+        appended = list(range(len(self.slots), len(self.slots) + rows - len(reused)))
+        self.slots.extend([None] * len(appended))
+        slots = reused + appended
         if self.batch is None:
             assert slots == list(range(rows)), "an empty batch fills from slot 0"
             self.batch = DenseBatchCache(layers, mask, positions)
