@@ -89,7 +89,8 @@ def _compare_static(op, backend, prompts, results, sampling, batch_size: int) ->
         stop=sampling.stop,
     )
     ours = op.last_stats
-    same = sum(list(results[i].token_ids) == static.token_ids[k] for k, i in enumerate(valid))
+    differ = [i for k, i in enumerate(valid) if list(results[i].token_ids) != static.token_ids[k]]
+    same = len(valid) - len(differ)
     print(f"\nside by side (same rows, batch size {batch_size}):")
     print(f"  {'system':<22}{'prefill tokens':>16}{'seconds':>10}{'rows/s':>10}")
     print(
@@ -104,3 +105,5 @@ def _compare_static(op, backend, prompts, results, sampling, batch_size: int) ->
         f"  speed-up {static.seconds / ours.generate_seconds:.2f}x; "
         f"identical outputs {same}/{len(valid)}; static real prompt tokens {static.prompt_tokens}"
     )
+    if differ:
+        print(f"  rows whose tokens differ: {differ[:20]}")

@@ -29,6 +29,7 @@ __all__ = [
     "DEFAULT_DATA_DIR",
     "DemoTask",
     "build_demo_rows",
+    "gold_label",
     "load_rows",
     "load_tasks",
     "parse_label",
@@ -173,6 +174,27 @@ def load_rows(source: str, data_dir: Path | None = None) -> list[dict]:
     return rows
 
 
+def _few_shot_messages(task: DemoTask) -> list[dict[str, str]]:
+    """System prompt with the instructions, then each example as a user/assistant turn."""
+    messages = [{"role": "system", "content": f"{task.system}\n\n{task.instructions}"}]
+    for example, label in task.examples:
+        messages.append({"role": "user", "content": f"{example}\n{task.answer_cue}"})
+        messages.append({"role": "assistant", "content": label})
+    return messages
+
+
+def gold_label(task: DemoTask, row: Mapping[str, Any]) -> str | None:
+    """The label a row's own fields imply, where they imply one (None otherwise):
+    review-sentiment from the star rating (4-5 positive, 3 neutral, 1-2 negative),
+    review-category from the product category."""
+    if task.name == "review-sentiment" and isinstance(row.get("rating"), int):
+        rating = row["rating"]
+        return "positive" if rating >= 4 else "neutral" if rating == 3 else "negative"
+    if task.name == "review-category" and row.get("category") in task.labels:
+        return row["category"]
+    return None
+
+
 def _demo_row(task: DemoTask, row: Mapping[str, Any]) -> dict:
     """One row of the demo job: ``row`` rendered for ``task``."""
     per_row = task.render(row)
@@ -181,12 +203,10 @@ def _demo_row(task: DemoTask, row: Mapping[str, Any]) -> dict:
         "id": str(row["id"]),
         "task": task.name,
         "input": per_row,
-        "messages": [
-            {"role": "system", "content": task.system},
-            {"role": "user", "content": user},
-        ],
+        "messages": [*_few_shot_messages(task), {"role": "user", "content": per_row}],
         "prompt": f"{task.system}\n\n{user}",
         "labels": list(task.labels),
+        "gold": gold_label(task, row),
     }
 
 
@@ -200,8 +220,10 @@ def build_demo_rows(data_dir: Path | None = None, *, limit: int | None = None) -
 
     Each returned dict has ``id``, ``task``, ``input`` (the rendered per-row
     part, which both ``messages[-1]["content"]`` and ``prompt`` end with),
-    ``messages`` (system + user chat messages), ``prompt`` (the same as plain
-    text: system, a blank line, then the user message) and ``labels``.
+    ``messages`` (a system message with the instructions, the few-shot examples
+    as user/assistant turns, then the row as the last user message), ``prompt``
+    (plain text: system, a blank line, instructions, examples, then the row),
+    ``labels`` and ``gold`` (see ``gold_label``).
     ``limit`` keeps only the first ``limit`` rows.
     """
     if limit is not None and limit < 0:

@@ -1,0 +1,339 @@
+"""What the Spark and Dask operators share: options, one engine per worker, running a
+partition, and the co-location scheme (partition by a shared-prefix key).
+
+Co-location: lexicographic order is the depth-first order of the prefix tree, but a
+plain range partitioning on the prompt cuts a group of rows sharing a prefix wherever a
+range boundary falls. Instead, a sample of the prompts is sorted and cut where it
+branches: runs of sampled prompts that share at least ``min_prefix_chars`` characters
+are the groups, each named by its shared prefix. Every row goes to the partition of the
+longest group prefix it starts with (a row of no sampled group goes by a hash of its
+first ``min_prefix_chars`` characters), and groups are packed into partitions largest
+first, so each group stays whole while partition sizes stay balanced.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("llm_operator.integrations")
+
+# (name, Python type) of each result field, in output order
+RESULT_FIELDS: tuple[tuple[str, type], ...] = (
+    ("text", str),
+    ("finish_reason", str),
+    ("prompt_tokens", int),
+    ("completion_tokens", int),
+    ("error", str),
+)
+
+_ENGINE_OPTION_NAMES = (
+    "device",
+    "dtype",
+    "kv_cache_memory",
+    "max_batch_size",
+    "prefill_batch_tokens",
+    "min_shared_tokens",
+    "share_prefixes",
+    "decode_first",
+    "trust_remote_code",
+    "progress",
+    "cache_dir",
+)
+
+
+@dataclass(frozen=True)
+class InferOptions:
+    """Everything a partition needs to run; hashable, small, cheap to pickle."""
+
+    model: str
+    backend: str = "auto"
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    chat: bool = False
+    system: str | None = None
+    engine_options: tuple[tuple[str, Any], ...] = ()
+
+    def sampling(self):
+        from llm_operator.sampling import SamplingParams
+
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stop=self.stop,
+            seed=self.seed,
+        )
+
+    def engine_key(self, device: str | None = None) -> tuple:
+        return (self.model, self.backend, self.engine_options, device)
+
+
+def make_options(
+    *,
+    model: Any,
+    backend: str = "auto",
+    max_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    chat: bool = False,
+    system: str | None = None,
+    engine_options: Mapping[str, Any] | None = None,
+) -> InferOptions:
+    """Validated options (on the driver, before any model loads)."""
+    from llm_operator.config import EngineConfig
+
+    if not isinstance(model, (str, os.PathLike)) or not str(model):
+        raise TypeError(f"model must be an alias or a path, got {model!r}")
+    if isinstance(stop, str):
+        stop = (stop,)
+    engine_options = dict(engine_options or {})
+    unknown = sorted(set(engine_options) - set(_ENGINE_OPTION_NAMES))
+    if unknown:
+        raise ValueError(
+            f"engine_options has unknown names {unknown}; known: {', '.join(_ENGINE_OPTION_NAMES)}"
+        )
+    if system is not None and not isinstance(system, str):
+        raise TypeError(f"system must be a string, got {type(system).__name__}")
+    if not isinstance(chat, bool):
+        raise TypeError(f"chat must be a bool, got {chat!r}")
+    options = InferOptions(
+        model=os.fspath(model),
+        backend=backend,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=tuple(stop or ()),
+        chat=chat or system is not None,
+        system=system,
+        engine_options=tuple(sorted(engine_options.items())),
+    )
+    options.sampling()  # raises ValueError/TypeError naming a bad sampling option
+    config_options = {k: v for k, v in engine_options.items() if k != "cache_dir"}
+    EngineConfig(backend=backend, **config_options)  # raises on a bad engine option
+    hash(options)  # engine options must be hashable (they key the per-worker cache)
+    return options
+
+
+# -- one engine per worker process ----------------------------------------------------
+_engines: dict[tuple, Any] = {}
+_engines_lock = threading.Lock()
+_constructions = 0
+
+
+def get_operator(options: InferOptions, device: str | None = None):
+    """The worker's LLMOperator for these options, built on first use and then reused."""
+    global _constructions
+    key = options.engine_key(device)
+    with _engines_lock:
+        operator = _engines.get(key)
+        if operator is None:
+            from llm_operator import LLMOperator
+
+            engine = dict(options.engine_options)
+            if device is not None:
+                engine["device"] = device
+            operator = LLMOperator(options.model, backend=options.backend, **engine)
+            _engines[key] = operator
+            _constructions += 1
+        return operator
+
+
+def engine_constructions() -> int:
+    """How many operators this process has built (for tests and logs)."""
+    return _constructions
+
+
+def clear_engines() -> None:
+    with _engines_lock:
+        _engines.clear()
+
+
+# -- running one partition --------------------------------------------------------
+def build_prompts(values: Sequence[Any], options: InferOptions) -> list[Any]:
+    """Column values to prompts: chat wraps each string as a user message (after the system one)."""
+    if not options.chat:
+        return list(values)
+    system = [{"role": "system", "content": options.system}] if options.system else []
+    return [
+        [*system, {"role": "user", "content": v}] if isinstance(v, str) and v else v for v in values
+    ]
+
+
+def run_partition(
+    values: Sequence[Any],
+    options: InferOptions,
+    *,
+    device: str | None = None,
+    label: str = "partition",
+):
+    """Generate for one partition's prompts (one plan over all of them); results in order."""
+    started = time.perf_counter()
+    values = [None if _is_missing(v) else v for v in values]
+    if not values:
+        return []
+    operator = get_operator(options, device)
+    lock = _partition_lock(operator)
+    with lock:  # one generate at a time per engine (threaded workers share it)
+        results = operator.generate(build_prompts(values, options), options.sampling())
+        stats = operator.last_stats
+    logger.info(
+        "%s: %d rows (%d errors), %d prompt tokens, %d prefilled, %d output tokens, %.2f s, saving ratio %.1f%%",
+        label,
+        len(values),
+        stats.error_rows,
+        stats.prompt_tokens,
+        stats.prefill_tokens_computed,
+        stats.output_tokens,
+        time.perf_counter() - started,
+        100 * stats.saving_ratio,
+    )
+    return results
+
+
+_partition_locks: dict[int, threading.Lock] = {}
+
+
+def _partition_lock(operator) -> threading.Lock:
+    with _engines_lock:
+        return _partition_locks.setdefault(id(operator), threading.Lock())
+
+
+def _is_missing(value: Any) -> bool:
+    """None, NaN and pandas' NA are missing prompts."""
+    if value is None:
+        return True
+    if isinstance(value, float) and value != value:
+        return True
+    return type(value).__name__ in ("NAType", "NaTType")
+
+
+def result_records(results) -> list[dict[str, Any]]:
+    return [{name: getattr(r, name) for name, _ in RESULT_FIELDS} for r in results]
+
+
+# -- co-location ------------------------------------------------------------------
+@dataclass(frozen=True)
+class PrefixPartitioner:
+    """Maps a prompt to a partition so that rows sharing a sampled group prefix meet.
+
+    routes: prefix -> the partitions its rows may go to. A prompt follows the longest
+    prefix it starts with: a group prefix names one partition; the prefix of a group
+    too big for one partition names the partitions its pieces went to, and a row is
+    spread over them by a hash of its next ``min_prefix_chars`` characters. A prompt of
+    no known prefix goes by a hash of its first ``min_prefix_chars`` characters. Either
+    way, rows that share that much more than a known prefix meet.
+    """
+
+    routes: Mapping[str, tuple[int, ...]]
+    num_partitions: int
+    min_prefix_chars: int
+
+    def __post_init__(self) -> None:
+        lengths = sorted({len(p) for p in self.routes}, reverse=True)
+        object.__setattr__(self, "_lengths", tuple(lengths))
+
+    def __call__(self, prompt: Any) -> int:
+        if not isinstance(prompt, str):
+            return 0
+        for length in self._lengths:
+            if len(prompt) < length:
+                continue
+            partitions = self.routes.get(prompt[:length])
+            if partitions is not None:
+                if len(partitions) == 1:
+                    return partitions[0]
+                head = prompt[: length + self.min_prefix_chars]
+                return partitions[_hash(head) % len(partitions)]
+        return _hash(prompt[: self.min_prefix_chars]) % self.num_partitions
+
+
+def build_partitioner(
+    sample: Sequence[Any], num_partitions: int, *, min_prefix_chars: int = 32
+) -> PrefixPartitioner:
+    """Group a sample of prompts by shared prefix and pack the groups into partitions.
+
+    The sorted sample is one segment. A segment holding more than its share of the
+    sample (len(sample) / num_partitions) is cut at its shallowest branch points (the
+    adjacent pairs with the shortest common prefix: cutting there loses the least
+    sharing) until every piece fits. A piece of two or more sampled rows sharing at
+    least ``min_prefix_chars`` characters is a group; groups are packed largest first into
+    the least loaded partition.
+    """
+    if (
+        isinstance(num_partitions, bool)
+        or not isinstance(num_partitions, int)
+        or num_partitions < 1
+    ):
+        raise ValueError(f"num_partitions must be an int >= 1, got {num_partitions!r}")
+    ordered = sorted(s for s in sample if isinstance(s, str))
+    share = max(1, len(ordered) // num_partitions)
+    # common[i]: common prefix length of ordered[i] and ordered[i + 1]
+    common = [_common_prefix_length(a, b) for a, b in zip(ordered, ordered[1:])]
+    groups: list[tuple[str, int]] = []  # (shared prefix, sampled rows)
+    # split segments: (shared prefix, index range into `groups` of the pieces under it)
+    split: list[tuple[str, int]] = []
+    pending: list[tuple[int, int, int]] = [(0, len(ordered), -1)] if ordered else []
+    parents_of: list[int] = []  # per group: index into `split` of its nearest split parent
+    split_parents: list[int] = []
+    while pending:
+        begin, end, parent = pending.pop()
+        inner = common[begin : end - 1]
+        shared = min(inner) if inner else len(ordered[begin])
+        if end - begin > share and inner:
+            own = parent
+            if shared >= min_prefix_chars:
+                split.append((ordered[begin][:shared], len(groups)))
+                split_parents.append(parent)
+                own = len(split) - 1
+            cuts = [begin + i + 1 for i, c in enumerate(inner) if c == shared]
+            bounds = [begin, *cuts, end]
+            pending.extend((b, e, own) for b, e in zip(bounds, bounds[1:]))
+        elif end - begin >= 2 and shared >= min_prefix_chars:
+            groups.append((ordered[begin][:shared], end - begin))
+            parents_of.append(parent)
+    loads = [0] * num_partitions
+    routes: dict[str, tuple[int, ...]] = {}
+    spread: list[set[int]] = [set() for _ in split]
+    for index in sorted(range(len(groups)), key=lambda g: (-groups[g][1], groups[g][0])):
+        prefix, count = groups[index]
+        if prefix not in routes:
+            target = min(range(num_partitions), key=lambda p: (loads[p], p))
+            loads[target] += count
+            routes[prefix] = (target,)
+        parent = parents_of[index]
+        while parent >= 0:  # every split ancestor may route its unsampled rows here too
+            spread[parent].update(routes[prefix])
+            parent = split_parents[parent]
+    for (prefix, _), partitions in zip(split, spread):
+        if partitions and prefix not in routes:
+            routes[prefix] = tuple(sorted(partitions))
+    return PrefixPartitioner(routes, num_partitions, min_prefix_chars)
+
+
+def _hash(text: str) -> int:
+    return zlib.crc32(text.encode("utf-8", "surrogatepass"))
+
+
+def _common_prefix_length(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
