@@ -45,6 +45,12 @@ def run_demo(
         snippet = row["input"][:70] + ("..." if len(row["input"]) > 70 else "")
         print(f"  [{row['task']}] {snippet!r} -> {result.text.strip()!r} (label: {label})")
     parsed = sum(label is not None for label in labels)
+    graded = [(label, row["gold"]) for label, row in zip(labels, rows) if row.get("gold")]
+    if graded:
+        correct = sum(label == gold for label, gold in graded)
+        print(
+            f"\nagreement with the labels implied by ratings and categories: {correct}/{len(graded)}"
+        )
     print(
         f"\n{stats.rows} rows in {stats.seconds:.1f} s: {stats.rows_per_second:.2f} rows/s, "
         f"{stats.output_tokens} output tokens ({stats.output_tokens_per_second:.1f}/s); "
@@ -64,6 +70,7 @@ def run_demo(
                 "input": row["input"],
                 "output": result.text,
                 "label": label,
+                "gold": row.get("gold"),
                 "finish_reason": result.finish_reason,
                 "error": result.error,
             }

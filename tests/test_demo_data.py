@@ -98,12 +98,18 @@ def test_demo_rows_shape(demo_rows: list[dict], tasks: list[DemoTask]) -> None:
     by_name = {task.name: task for task in tasks}
     for row in demo_rows:
         task = by_name[row["task"]]
-        assert set(row) == {"id", "task", "input", "messages", "prompt", "labels"}
+        assert set(row) == {"id", "task", "input", "messages", "prompt", "labels", "gold"}
         assert row["labels"] == list(task.labels)
-        assert [m["role"] for m in row["messages"]] == ["system", "user"]
-        assert row["messages"][0]["content"] == task.system
-        assert row["messages"][1]["content"] == task.user_prefix + row["input"]
-        assert row["prompt"] == f"{task.system}\n\n{row['messages'][1]['content']}"
+        roles = [m["role"] for m in row["messages"]]
+        assert roles == ["system"] + ["user", "assistant"] * len(task.examples) + ["user"]
+        assert row["messages"][0]["content"] == f"{task.system}\n\n{task.instructions}"
+        shots = row["messages"][1:-1]
+        for (example, label), (user, assistant) in zip(task.examples, zip(shots[::2], shots[1::2])):
+            assert user["content"] == f"{example}\n{task.answer_cue}"
+            assert assistant["content"] == label
+        assert row["messages"][-1]["content"] == row["input"]
+        assert row["prompt"] == f"{task.system}\n\n{task.user_prefix}{row['input']}"
+        assert row["gold"] is None or row["gold"] in task.labels
         assert row["input"].endswith(task.answer_cue)
 
 
@@ -140,7 +146,7 @@ def test_rows_of_a_task_share_the_full_prefix(demo_rows: list[dict], tasks: list
         assert a == first["input"] and b == second["input"]
         for example, _ in task.examples:
             assert example in prefix
-        assert all(row["messages"][1]["content"].startswith(task.user_prefix) for row in rows)
+        assert all(row["messages"][:-1] == first["messages"][:-1] for row in rows)
 
 
 def test_example_block_format(tasks: list[DemoTask]) -> None:
@@ -234,3 +240,15 @@ def test_parse_label_word_boundaries_and_spelling() -> None:
     assert parse_label("GOOD", ["Good"]) == "Good"
     assert parse_label("high priority", ["high", "high priority"]) == "high priority"
     assert parse_label("anything", []) is None
+
+
+def test_gold_labels_follow_the_row_fields(demo_rows: list[dict]) -> None:
+    reviews = {row["id"]: row for row in load_rows("reviews")}
+    sentiment = [row for row in demo_rows if row["task"] == "review-sentiment"]
+    category = [row for row in demo_rows if row["task"] == "review-category"]
+    tickets = [row for row in demo_rows if row["task"].startswith("ticket-")]
+    for row in sentiment:
+        rating = reviews[row["id"]]["rating"]
+        assert row["gold"] == {5: "positive", 4: "positive", 3: "neutral"}.get(rating, "negative")
+    assert all(row["gold"] == reviews[row["id"]]["category"] for row in category)
+    assert all(row["gold"] is None for row in tickets)
