@@ -34,7 +34,7 @@ $(VENV)/.installed-run: $(PY) setup.cfg pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed-run
-	$(PIP) install --quiet -e '.[dev]'
+	$(PIP) install --quiet -e '.[dev,spark,dask]'
 	touch $@
 
 clean:

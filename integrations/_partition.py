@@ -270,9 +270,10 @@ def build_partitioner(
     """Group a sample of prompts by shared prefix and pack the groups into partitions.
 
     The sorted sample is one segment. A segment holding more than its share of the
-    sample (len(sample) / num_partitions) is cut at its shallowest branch points (the
+    sample (len(sample) / num_partitions), or whose rows share fewer than
+    ``min_prefix_chars`` characters, is cut at its shallowest branch points (the
     adjacent pairs with the shortest common prefix: cutting there loses the least
-    sharing) until every piece fits. A piece of two or more sampled rows sharing at
+    sharing) until every piece fits and shares enough. A piece of two or more sampled rows sharing at
     least ``min_prefix_chars`` characters is a group; groups are packed largest first into
     the least loaded partition.
     """
@@ -296,7 +297,7 @@ def build_partitioner(
         begin, end, parent = pending.pop()
         inner = common[begin : end - 1]
         shared = min(inner) if inner else len(ordered[begin])
-        if end - begin > share and inner:
+        if inner and (end - begin > share or shared < min_prefix_chars):
             own = parent
             if shared >= min_prefix_chars:
                 split.append((ordered[begin][:shared], len(groups)))

@@ -125,3 +125,28 @@ def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_di
 def tiny_model_dir(request: pytest.FixtureRequest) -> Path:
     """Each tiny model directory in turn: llama, qwen2, mistral."""
     return request.getfixturevalue(f"tiny_{request.param}_dir")
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """The suite's one local Spark session (they take 15-30 s to start).
+
+    ``local[2,4]``: two task slots, and up to 4 attempts per task so tests can check
+    retries. Workers run this interpreter, so they import llm_operator from the venv.
+    """
+    pytest.importorskip("pyspark")
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    from pyspark.sql import SparkSession
+
+    session = (
+        SparkSession.builder.master("local[2,4]")
+        .appName("llm-operator-tests")
+        .config("spark.sql.shuffle.partitions", "4")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()

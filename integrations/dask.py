@@ -1,0 +1,271 @@
+"""Dask: ``llm_infer`` adds generated columns to a dask DataFrame; ``co_locate`` moves rows
+that share a prompt prefix into one partition first.
+
+>>> ddf = co_locate(ddf, "prompt")                                   # optional, see its doc
+>>> ddf = llm_infer(ddf, "prompt", output="out", model="smollm2-135m-instruct", max_tokens=32)
+>>> ddf[["prompt", "out", "out_finish_reason"]].compute()
+
+One partition is one batch: a single ``LLMOperator.generate`` call, planned over all of
+the partition's prompts, on the worker process's cached engine (one per process, shared
+by its threads). Options are checked on the client before any model loads, and the
+tasks capture only an ``InferOptions`` (the model loads on the worker).
+
+This module is ``llm_operator.integrations.dask``; ``import dask.dataframe`` below is an
+absolute import of the real dask package (Python 3 has no implicit relative imports).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+
+from llm_operator.integrations._partition import (
+    RESULT_FIELDS,
+    InferOptions,
+    PrefixPartitioner,
+    build_partitioner,
+    make_options,
+    result_records,
+    run_partition,
+)
+
+# Text results use the dtype dask itself gives text columns (its "convert-string" default).
+STRING_DTYPE = pd.StringDtype("pyarrow")
+
+# Helper columns of co_locate, dropped before it returns.
+_PARTITION = "__llm_operator_partition__"  # the target partition of each row
+_ORDER = "__llm_operator_order__"  # input order: (input partition << 32) | row in it
+_INDEX = "__llm_operator_index__"  # the original index, restored at the end
+
+
+def result_columns(output: str) -> dict[str, tuple[str, Any]]:
+    """Result field -> (column name, dtype): ``text`` is ``{output}``, others ``{output}_{field}``."""
+    return {
+        field: (
+            output if field == "text" else f"{output}_{field}",
+            STRING_DTYPE if python_type is str else np.dtype("int64"),
+        )
+        for field, python_type in RESULT_FIELDS
+    }
+
+
+def llm_infer(
+    ddf: dd.DataFrame,
+    col: Hashable,
+    *,
+    output: str = "out",
+    model: Any,
+    backend: str = "auto",
+    max_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    chat: bool = False,
+    system: str | None = None,
+    engine_options: Mapping[str, Any] | None = None,
+) -> dd.DataFrame:
+    """``ddf`` with the generated columns added (lazy; nothing runs until compute).
+
+    Adds ``{output}`` (the text), ``{output}_finish_reason`` ("stop" | "length" | "error"),
+    ``{output}_prompt_tokens``, ``{output}_completion_tokens`` (int64) and
+    ``{output}_error`` (a message on error rows, else missing). Text columns are
+    ``string[pyarrow]``. Index, divisions and row order are kept.
+
+    col: a column of strings (string or object dtype); with ``chat=True`` (or a
+        ``system`` prompt) each string becomes a user message. Missing and empty
+        prompts become error rows; they never fail the partition.
+    model, backend, engine_options: which engine each worker process builds once and
+        reuses (``LLMOperator`` arguments). Sampling options as in ``SamplingParams``.
+    """
+    _check_prompt_column(ddf, col)
+    if not isinstance(output, str) or not output:
+        raise TypeError(f"output must be a non-empty string, got {output!r}")
+    columns = result_columns(output)
+    existing = [name for name, _ in columns.values() if name in ddf.columns]
+    if existing:
+        raise ValueError(
+            f"output={output!r} would overwrite existing column(s) {existing}; choose another output"
+        )
+    options = make_options(
+        model=model,
+        backend=backend,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=stop,
+        chat=chat,
+        system=system,
+        engine_options=engine_options,
+    )
+    meta = _with_results(ddf._meta, [], output)
+    return ddf.map_partitions(_infer_partition, col, options, output, meta=meta)
+
+
+def _infer_partition(
+    frame: pd.DataFrame,
+    col: Hashable,
+    options: InferOptions,
+    output: str,
+    partition_info: Mapping[str, Any] | None = None,
+) -> pd.DataFrame:
+    """One partition, one ``run_partition`` call (runs on the worker)."""
+    label = "dask partition"
+    if partition_info is not None:
+        label = f"dask partition {partition_info['number']}"
+    results = run_partition(frame[col].tolist(), options, label=label)
+    return _with_results(frame, result_records(results), output)
+
+
+def _with_results(
+    frame: pd.DataFrame, records: Sequence[Mapping[str, Any]], output: str
+) -> pd.DataFrame:
+    """``frame`` plus the result columns, filled positionally from ``records``."""
+    assert len(records) == len(frame), "one result record per row"
+    result = frame.copy(deep=False)
+    for field, (name, dtype) in result_columns(output).items():
+        values = [record[field] for record in records]
+        if dtype == STRING_DTYPE:
+            result[name] = pd.array(values, dtype=STRING_DTYPE)
+        else:
+            result[name] = np.asarray(values, dtype=dtype)
+    return result
+
+
+def co_locate(
+    ddf: dd.DataFrame,
+    col: Hashable,
+    npartitions: int | None = None,
+    *,
+    sample_size: int = 2000,
+    min_prefix_chars: int = 32,
+    seed: int = 0,
+) -> dd.DataFrame:
+    """``ddf`` repartitioned so rows sharing a prompt prefix meet, each partition sorted.
+
+    Each partition of ``llm_infer`` is planned on its own, so a prefix is computed
+    once per partition that holds it. Sorting helps within a partition
+    (lexicographic order is the depth-first order of the prefix tree), but a range
+    partitioning on the prompt splits any group that straddles a boundary, and
+    arbitrary input partitions scatter a group over all of them. Here a
+    deterministic sample of ``sample_size`` prompts is cut where it branches
+    (``build_partitioner``): runs sharing at least ``min_prefix_chars`` characters
+    are groups, packed into ``npartitions`` (default: ``ddf.npartitions``) partitions,
+    largest first, so sizes stay balanced. Every row then moves to exactly its
+    group's partition (a range shuffle on the partition number, not a hash), and
+    each partition is sorted by the prompt (equal prompts keep their input order;
+    missing prompts go to partition 0, last).
+
+    It pays when the prompts share long prefixes (instructions, few-shot examples, a
+    document asked several questions) and the input order mixes them; it costs a
+    sample pass over ``ddf`` (persist an expensive input first) and a shuffle.
+
+    The result keeps the columns and each row's original index label (so results can
+    be joined back), but the index is no longer sorted: divisions are unknown.
+    """
+    _check_prompt_column(ddf, col)
+    if npartitions is None:
+        npartitions = ddf.npartitions
+    _check_int("npartitions", npartitions, minimum=1)
+    _check_int("sample_size", sample_size, minimum=1)
+    _check_int("min_prefix_chars", min_prefix_chars, minimum=1)
+    _check_int("seed", seed, minimum=0)
+    clashes = [name for name in (_PARTITION, _ORDER, _INDEX) if name in ddf.columns]
+    if clashes:
+        raise ValueError(f"ddf has co_locate's reserved column(s) {clashes}; rename them")
+    sample = _sample_prompts(ddf[col], sample_size, seed)
+    partitioner = build_partitioner(sample, npartitions, min_prefix_chars=min_prefix_chars)
+    tagged = ddf.map_partitions(
+        _tag_partition, col, partitioner, meta=_tag_partition(ddf._meta, col, partitioner)
+    )
+    # divisions [0, 1, ..., n-1, n-1]: partition i holds exactly the key i
+    placed = tagged.set_index(_PARTITION, divisions=[*range(npartitions), npartitions - 1])
+    return placed.map_partitions(
+        _sort_partition, col, ddf._meta.index.name, meta=ddf._meta, clear_divisions=True
+    )
+
+
+def _tag_partition(
+    frame: pd.DataFrame,
+    col: Hashable,
+    partitioner: PrefixPartitioner,
+    partition_info: Mapping[str, Any] | None = None,
+) -> pd.DataFrame:
+    """Add each row's target partition, input order and original index as columns."""
+    number = 0 if partition_info is None else partition_info["number"]
+    tagged = frame.copy(deep=False)
+    tagged[_PARTITION] = np.fromiter(
+        (partitioner(prompt) for prompt in frame[col]), dtype=np.int64, count=len(frame)
+    )
+    tagged[_ORDER] = (np.int64(number) << 32) + np.arange(len(frame), dtype=np.int64)
+    tagged[_INDEX] = frame.index.array
+    return tagged
+
+
+def _sort_partition(frame: pd.DataFrame, col: Hashable, index_name: Hashable) -> pd.DataFrame:
+    """Sort one placed partition by (prompt, input order); restore the original index."""
+    prompts = frame[col]
+    if prompts.dtype == object:  # non-strings (missing, chat messages) sort last
+        prompts = prompts.map(lambda value: value if isinstance(value, str) else None)
+        prompts = prompts.astype(STRING_DTYPE)
+    keys = pd.DataFrame({"prompt": prompts.array, "order": frame[_ORDER].to_numpy()})
+    positions = keys.sort_values(["prompt", "order"], kind="stable", na_position="last").index
+    result = frame.iloc[positions.to_numpy()].set_index(_INDEX).drop(columns=[_ORDER])
+    result.index.name = index_name
+    return result
+
+
+def _sample_prompts(prompts: dd.Series, sample_size: int, seed: int) -> list[Any]:
+    """A uniform sample without replacement, the same on every run for the same input.
+
+    Bottom-k sampling: every prompt gets a random key from a generator seeded by
+    (seed, partition number); each partition keeps its ``sample_size`` smallest keys,
+    and the client keeps the smallest ``sample_size`` of those. One pass.
+    """
+    meta = pd.DataFrame({"key": pd.Series(dtype="float64"), "prompt": prompts._meta})
+    candidates = prompts.map_partitions(_smallest_keys, sample_size, seed, meta=meta).compute()
+    chosen = candidates.sort_values("key", kind="stable").head(sample_size)
+    return chosen["prompt"].tolist()
+
+
+def _smallest_keys(
+    prompts: pd.Series,
+    sample_size: int,
+    seed: int,
+    partition_info: Mapping[str, Any] | None = None,
+) -> pd.DataFrame:
+    number = 0 if partition_info is None else partition_info["number"]
+    keys = np.random.default_rng([seed, number]).random(len(prompts))
+    chosen = np.argsort(keys, kind="stable")[:sample_size]
+    return pd.DataFrame(
+        {"key": keys[chosen], "prompt": prompts.iloc[chosen].array},
+        index=pd.RangeIndex(len(chosen)),
+    )
+
+
+def _check_prompt_column(ddf: Any, col: Any) -> None:
+    if not isinstance(ddf, dd.DataFrame):
+        raise TypeError(f"ddf must be a dask.dataframe.DataFrame, got {type(ddf).__name__}")
+    if not isinstance(col, Hashable):
+        raise TypeError(f"col must be a column name, got {type(col).__name__}")
+    if col not in ddf.columns:
+        raise ValueError(f"col={col!r} is not a column of ddf; columns: {list(ddf.columns)}")
+    dtype = ddf._meta[col].dtype
+    if not (pd.api.types.is_object_dtype(dtype) or pd.api.types.is_string_dtype(dtype)):
+        raise TypeError(
+            f"col={col!r} must hold prompt strings (string or object dtype), got dtype {dtype}"
+        )
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")

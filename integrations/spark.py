@@ -1,0 +1,312 @@
+"""Spark integration: an LLM column over a DataFrame, and prefix co-location.
+
+>>> from llm_operator.integrations.spark import co_locate, llm_infer
+>>> df = co_locate(df, "prompt")  # optional: rows sharing a prefix meet in one partition
+>>> df = df.withColumn("out", llm_infer("prompt", model="smollm2-135m-instruct", max_tokens=32))
+>>> df.select("out.text", "out.finish_reason")
+
+``llm_infer`` returns a struct column ``text, finish_reason, prompt_tokens,
+completion_tokens, error``. Each partition is one batch: the UDF gathers all of the
+partition's Arrow batches and runs one plan over all its rows (global prefix sharing),
+then yields outputs aligned with the input batches. The engine is built once per Python
+worker process and reused across tasks and jobs (Spark reuses Python workers by default):
+the UDF closure captures only the small, validated ``InferOptions``. Classic Spark only
+(``co_locate`` uses ``DataFrame.rdd``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from pyspark import TaskContext
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from llm_operator.integrations._partition import (
+    RESULT_FIELDS,
+    InferOptions,
+    PrefixPartitioner,
+    _is_missing,
+    build_partitioner,
+    logger,
+    make_options,
+    result_records,
+    run_partition,
+)
+
+_SPARK_TYPES = {str: T.StringType(), int: T.IntegerType()}
+RESULT_TYPE = T.StructType(
+    [T.StructField(name, _SPARK_TYPES[kind], nullable=True) for name, kind in RESULT_FIELDS]
+)
+_NUMPY_TYPES = {str: object, int: np.int32}
+
+
+def llm_infer(
+    col: str | Column,
+    *,
+    model: Any,
+    backend: str = "auto",
+    max_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop: str | list[str] | tuple[str, ...] | None = None,
+    chat: bool = False,
+    system: str | None = None,
+    engine_options: Mapping[str, Any] | None = None,
+) -> Column:
+    """A struct column ``text, finish_reason, prompt_tokens, completion_tokens, error``.
+
+    col: a column name or a Column expression (e.g. an ``F.format_string`` or
+        ``F.concat`` template) of strings, or of chat message lists
+        (``array<struct<role, content>>`` or ``array<map<string, string>>``).
+    Options are validated here, on the driver, before any Spark job or model load.
+    A null or empty prompt gives that row ``finish_reason="error"`` and a message. A
+    column of another type raises TypeError naming the type inside the UDF, before any
+    model loads (Spark reports it as a failed task); ``llm_infer_df`` raises it on the
+    driver instead, before any job runs.
+    Tasks with a "gpu" resource run on ``cuda:<first address>``; other tasks run on CPU
+    unless ``engine_options`` names a device.
+    """
+    options = make_options(
+        model=model,
+        backend=backend,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=stop,
+        chat=chat,
+        system=system,
+        engine_options=engine_options,
+    )
+    column = _as_column(col, "col")
+
+    def infer(batches: Iterator[pd.Series]) -> Iterator[pd.DataFrame]:
+        return infer_batches(batches, options)  # the closure holds only `options`
+
+    infer.__name__ = "llm_infer"
+    return F.pandas_udf(infer, returnType=RESULT_TYPE)(column)
+
+
+def llm_infer_df(
+    df: DataFrame, col: str | Column, *, output: str = "out", **options: Any
+) -> DataFrame:
+    """``df`` with an ``output`` struct column from ``llm_infer(col, **options)``.
+
+    Unlike ``llm_infer`` alone, this resolves the prompt column's type on the driver
+    and raises TypeError for anything but strings or chat message lists, before any
+    job runs or any model loads.
+    """
+    if not isinstance(df, DataFrame):
+        raise TypeError(f"df must be a pyspark DataFrame, got {type(df).__name__}")
+    if not isinstance(output, str) or not output:
+        raise ValueError(f"output must be a non-empty column name, got {output!r}")
+    column = llm_infer(col, **options)  # validates the options first
+    check_prompt_type(df.select(_as_column(col, "col")).schema.fields[0].dataType)
+    return df.withColumn(output, column)
+
+
+def check_prompt_type(data_type: T.DataType) -> None:
+    """Raise TypeError unless ``data_type`` holds prompts: strings or chat message lists."""
+    if isinstance(data_type, T.StringType):
+        return
+    if isinstance(data_type, T.ArrayType):
+        element = data_type.elementType
+        if isinstance(element, T.MapType) and isinstance(element.valueType, T.StringType):
+            return
+        if isinstance(element, T.StructType):
+            fields = {field.name: field.dataType for field in element.fields}
+            if all(isinstance(fields.get(name), T.StringType) for name in ("role", "content")):
+                return
+    raise TypeError(
+        "col must hold prompts (string, or chat messages array<struct<role: string, "
+        f"content: string>>), got a column of type {data_type.simpleString()}"
+    )
+
+
+# -- inside the Python worker -------------------------------------------------------
+def infer_batches(batches: Iterator[pd.Series], options: InferOptions) -> Iterator[pd.DataFrame]:
+    """The UDF body: gather every batch of the partition, run them as one, yield per batch.
+
+    Output frames have the input batches' sizes, in their order (Spark zips them back
+    onto the input rows).
+    """
+    sizes: list[int] = []
+    values: list[Any] = []
+    for batch in batches:
+        sizes.append(len(batch))
+        values.extend(prompt_values(batch))
+    context = TaskContext.get()
+    if context is not None:
+        _show_worker_logs()
+    label = f"spark partition {context.partitionId()}" if context is not None else "spark batch"
+    device = task_device(context, options)
+    results = run_partition(values, options, device=device, label=label) if values else []
+    records = result_records(results)
+    assert len(records) == len(values), f"{label}: {len(records)} results, {len(values)} rows"
+    start = 0
+    for size in sizes:
+        yield _frame(records[start : start + size])
+        start += size
+
+
+def prompt_values(batch: pd.Series) -> list[Any]:
+    """One batch's prompts: strings, chat message lists (lists of dicts) or None.
+
+    Raises TypeError naming the dtype or the value type of a non-prompt column.
+    """
+    if isinstance(batch, pd.DataFrame):
+        raise TypeError(
+            f"llm_infer needs a string column, got a struct column with fields {list(batch.columns)}"
+        )
+    dtype = batch.dtype
+    if not (pd.api.types.is_object_dtype(dtype) or isinstance(dtype, pd.StringDtype)):
+        raise TypeError(f"llm_infer needs a string column, got a column of {dtype} values")
+    values: list[Any] = []
+    for value in batch.tolist():
+        if isinstance(value, str) or _is_missing(value):
+            values.append(value)
+        elif isinstance(value, (list, tuple, np.ndarray)) and all(
+            isinstance(message, Mapping) for message in value
+        ):
+            values.append([dict(message) for message in value])
+        else:
+            raise TypeError(
+                f"llm_infer needs a string column, got a {type(value).__name__} value {value!r:.60}"
+            )
+    return values
+
+
+def task_device(context: Any, options: InferOptions) -> str | None:
+    """``cuda:<first address>`` for a task given a "gpu" resource; else CPU.
+
+    An explicit ``engine_options["device"]`` is kept (None lets it through).
+    """
+    if context is not None:
+        gpus = context.resources().get("gpu")
+        if gpus is not None and gpus.addresses:
+            return f"cuda:{gpus.addresses[0]}"
+    if dict(options.engine_options).get("device") is not None:
+        return None
+    return "cpu"
+
+
+def _frame(records: list[dict[str, Any]]) -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            name: pd.Series([r[name] for r in records], dtype=_NUMPY_TYPES[kind])
+            for name, kind in RESULT_FIELDS
+        }
+    )
+
+
+def _show_worker_logs() -> None:
+    """Send the per-partition INFO lines to the worker's stderr (the executor log), once,
+    unless the worker's logging is configured already."""
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)s %(name)s [pid %(process)d]: %(message)s")
+    )
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+
+
+# -- co-location --------------------------------------------------------------------
+def co_locate(
+    df: DataFrame,
+    col: str | Column,
+    num_partitions: int | None = None,
+    *,
+    sample_size: int = 2000,
+    min_prefix_chars: int = 32,
+    seed: int = 0,
+) -> DataFrame:
+    """``df`` moved so that rows sharing a prompt prefix meet in one partition, sorted.
+
+    Pays when prompts share long prefixes (a system prompt, few-shot examples, a
+    document asked several questions) and rows of a group are spread over partitions:
+    each partition plans its batch alone, so a group split over k partitions prefills
+    its prefix k times. Lexicographic order is the depth-first order of the prefix tree,
+    but a plain ``repartitionByRange`` cuts a group wherever a range boundary falls.
+    Instead a sample of up to ``sample_size`` prompts (deterministic for ``seed``) is
+    cut where it branches (``build_partitioner``), every row goes to exactly the
+    partition its prefix is assigned to (an identity partitioner, not a hash), and
+    rows are sorted within partitions. Costs a count, a sample and one shuffle; skip it
+    when rows are already grouped or prompts share little.
+
+    num_partitions: default ``df.rdd.getNumPartitions()``.
+    """
+    if not isinstance(df, DataFrame):
+        raise TypeError(f"df must be a pyspark DataFrame, got {type(df).__name__}")
+    if num_partitions is not None:
+        _check_positive_int(num_partitions, "num_partitions")
+    _check_positive_int(sample_size, "sample_size")
+    _check_positive_int(min_prefix_chars, "min_prefix_chars")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    if isinstance(col, str) and col in df.columns:
+        key, frame = col, df
+    else:  # an expression or a nested field: a temporary column, dropped at the end
+        key = "__llm_operator_prompt"
+        frame = df.withColumn(key, _as_column(col, "col"))
+    data_type = frame.schema[key].dataType
+    if not isinstance(data_type, T.StringType):
+        raise TypeError(f"col must be a string column, got type {data_type.simpleString()}")
+    partitions = num_partitions or max(1, frame.rdd.getNumPartitions())
+    sample = _sample_prompts(frame, key, sample_size, seed)
+    partitioner = build_partitioner(sample, partitions, min_prefix_chars=min_prefix_chars)
+    rows = frame.rdd.map(_keyed_by(partitioner, frame.columns.index(key)))
+    placed = rows.partitionBy(partitions, _identity).values()
+    result = frame.sparkSession.createDataFrame(placed, frame.schema, verifySchema=False)
+    result = result.sortWithinPartitions(key)
+    return result if key is col else result.drop(key)
+
+
+def _sample_prompts(frame: DataFrame, key: str, sample_size: int, seed: int) -> list[str]:
+    """Up to ``sample_size`` prompts, the same ones for the same seed and input."""
+    column = frame.select(key).where(F.col(key).isNotNull())
+    total = column.count()
+    if total > sample_size:
+        fraction = min(1.0, 1.2 * sample_size / total)
+        column = column.sample(withReplacement=False, fraction=fraction, seed=seed)
+    values = sorted(row[0] for row in column.collect())
+    if len(values) > sample_size:  # evenly spaced in sorted order: every region stays
+        step = len(values) / sample_size
+        values = [values[int(i * step)] for i in range(sample_size)]
+    return values
+
+
+def _keyed_by(partitioner: PrefixPartitioner, index: int):
+    def keyed(row):
+        return partitioner(row[index]), row
+
+    return keyed
+
+
+def _identity(partition: int) -> int:
+    return partition
+
+
+def _as_column(col: Any, name: str) -> Column:
+    if isinstance(col, str):
+        return F.col(col)
+    if isinstance(col, Column):
+        return col
+    raise TypeError(f"{name} must be a column name or a Column, got {type(col).__name__}")
+
+
+def _check_positive_int(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
