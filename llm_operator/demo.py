@@ -19,6 +19,9 @@ def run_demo(
     max_batch_size: int,
     compare_static: bool = False,
     progress: bool = True,
+    engine: str = "local",
+    partitions: int = 2,
+    compare_engines: bool = False,
 ) -> int:
     from llm_operator import LLMOperator, SamplingParams
     from llm_operator.demo_data import build_demo_rows, parse_label
@@ -27,13 +30,20 @@ def run_demo(
     print(f"demo: {len(rows)} rows over {len({r['task'] for r in rows})} tasks, model {model}")
     started = time.perf_counter()
     op = LLMOperator(model, max_batch_size=max_batch_size, progress=progress)
-    backend = op.backend()
-    print(f"model ready in {time.perf_counter() - started:.1f} s ({op.model.path})")
     sampling = SamplingParams(max_tokens=DEMO_MAX_TOKENS, stop=DEMO_STOP)
     prompts = [row["messages"] for row in rows]
-    print(op.plan(prompts, sampling).report())
-    results = op.generate(prompts, sampling)
-    stats = op.last_stats
+    plan = op.plan(prompts, sampling)
+    print(plan.report())
+    if engine == "local":
+        op.backend()  # load the model now, so its time is reported apart
+        print(f"model ready in {time.perf_counter() - started:.1f} s ({op.model.path})")
+        results = op.generate(prompts, sampling)
+    else:
+        results, seconds = _run_engine(engine, model, prompts, max_batch_size, partitions)
+        print(
+            f"{engine} (local mode, {partitions} partitions, model loads included): {seconds:.1f} s"
+        )
+    stats = op.last_stats if engine == "local" else None
 
     labels = [parse_label(r.text, row["labels"]) for r, row in zip(results, rows)]
     print("\nsample outputs:")
@@ -51,16 +61,23 @@ def run_demo(
         print(
             f"\nagreement with the labels implied by ratings and categories: {correct}/{len(graded)}"
         )
-    print(
-        f"\n{stats.rows} rows in {stats.seconds:.1f} s: {stats.rows_per_second:.2f} rows/s, "
-        f"{stats.output_tokens} output tokens ({stats.output_tokens_per_second:.1f}/s); "
-        f"{parsed}/{len(rows)} outputs name a label"
-    )
-    print(
-        f"prompt tokens {stats.prompt_tokens}, prefilled {stats.prefill_tokens_computed} "
-        f"(minimum {stats.unique_prompt_tokens}); saving ratio {stats.saving_ratio:.1%}; "
-        f"{stats.groups} groups"
-    )
+    if stats is not None:
+        print(
+            f"\n{stats.rows} rows in {stats.seconds:.1f} s: {stats.rows_per_second:.2f} rows/s, "
+            f"{stats.output_tokens} output tokens ({stats.output_tokens_per_second:.1f}/s); "
+            f"{parsed}/{len(rows)} outputs name a label"
+        )
+        print(
+            f"prompt tokens {stats.prompt_tokens}, prefilled {stats.prefill_tokens_computed} "
+            f"(minimum {stats.unique_prompt_tokens}); saving ratio {stats.saving_ratio:.1%}; "
+            f"{stats.groups} groups"
+        )
+    else:
+        print(
+            f"\n{len(rows)} rows in {seconds:.1f} s: {len(rows) / seconds:.2f} rows/s; "
+            f"{parsed}/{len(rows)} outputs name a label; plan saving ratio "
+            f"{plan.stats.saving_ratio:.1%} over the whole job (each partition plans its own rows)"
+        )
     output.parent.mkdir(parents=True, exist_ok=True)
     with open(output, "w", encoding="utf-8") as f:
         for row, result, label in zip(rows, results, labels):
@@ -77,8 +94,42 @@ def run_demo(
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
     print(f"wrote {output}")
     if compare_static:
-        _compare_static(op, backend, prompts, results, sampling, max_batch_size)
+        _compare_static(op, op.backend(), prompts, results, sampling, max_batch_size)
+    if compare_engines:
+        _compare_engines(model, prompts, max_batch_size, partitions)
     return 0
+
+
+def _run_engine(engine: str, model: str, prompts, max_batch_size: int, partitions: int):
+    from llm_operator.integrations.engines import generate
+
+    return generate(
+        prompts,
+        engine=engine,
+        model=model,
+        sampling={"max_tokens": DEMO_MAX_TOKENS, "stop": DEMO_STOP},
+        engine_options={"max_batch_size": max_batch_size},
+        partitions=partitions,
+    )
+
+
+def _compare_engines(model: str, prompts, max_batch_size: int, partitions: int) -> None:
+    """The same rows through LLMOperator directly, Spark local and Dask, side by side."""
+    timings = {}
+    texts = {}
+    for engine in ("local", "spark", "dask"):
+        results, seconds = _run_engine(engine, model, prompts, max_batch_size, partitions)
+        timings[engine] = seconds
+        texts[engine] = [r.text for r in results]
+    print(
+        f"\nengines side by side ({len(prompts)} rows, {partitions} partitions; model loads included):"
+    )
+    print(f"  {'engine':<10}{'seconds':>10}{'rows/s':>10}{'same text as local':>22}")
+    for engine, seconds in timings.items():
+        same = sum(a == b for a, b in zip(texts[engine], texts["local"]))
+        print(
+            f"  {engine:<10}{seconds:>10.1f}{len(prompts) / seconds:>10.2f}{same:>16}/{len(prompts)}"
+        )
 
 
 def _compare_static(op, backend, prompts, results, sampling, batch_size: int) -> None:

@@ -189,3 +189,36 @@ def test_add_result_columns_refuses_to_overwrite():
     table = pa.table({"out": ["x"]})
     with pytest.raises(ValueError, match="already exists"):
         add_result_columns(table, [GenerationResult("a", (1,), "stop", 1, 1)], "out")
+
+
+@pytest.mark.parametrize("engine", ["dask", "spark"])
+def test_run_on_spark_and_dask_equals_local(engine, tiny_llama_dir, reviews_csv, tmp_path, request):
+    if engine == "spark":
+        request.getfixturevalue("spark")  # share the suite's session
+    template = SYSTEM + "Review: {text}\nSentiment:"
+    outputs = {}
+    for name in ("local", engine):
+        out = tmp_path / f"{name}.jsonl"
+        code = main(
+            [
+                "run",
+                str(reviews_csv),
+                "--template",
+                template,
+                "--output",
+                str(out),
+                "--model",
+                str(tiny_llama_dir),
+                "--max-tokens",
+                "4",
+                "--no-progress",
+                "--engine",
+                name,
+            ]
+        )
+        assert code == 0
+        outputs[name] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in outputs[engine]] == [0, 1, 2, 3, 4]
+    for key in ("out", "out_finish_reason", "out_completion_tokens", "out_error"):
+        assert [r[key] for r in outputs[engine]] == [r[key] for r in outputs["local"]], key
+    assert outputs[engine][2]["out_finish_reason"] == "error"

@@ -1,0 +1,170 @@
+"""Run a list of prompts through the local operator, Spark (local mode) or Dask, for the CLI.
+
+Every engine returns one GenerationResult per prompt, in input order: the rows carry
+their position through co-location and are put back in order at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+ENGINES = ("local", "spark", "dask")
+
+
+def generate(
+    prompts: Sequence[Any],
+    *,
+    engine: str,
+    model: str,
+    sampling: Mapping[str, Any],
+    engine_options: Mapping[str, Any] | None = None,
+    partitions: int = 2,
+) -> tuple[list, float]:
+    """(results in input order, seconds). ``sampling``: max_tokens, temperature, top_p, top_k, stop, seed."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
+        raise ValueError(f"partitions must be an int >= 1, got {partitions!r}")
+    from llm_operator.integrations._partition import make_options
+
+    options = make_options(model=model, engine_options=engine_options, **sampling)
+    started = time.perf_counter()
+    if engine == "local":
+        from llm_operator.integrations._partition import get_operator
+
+        results = get_operator(options).generate(list(prompts), options.sampling())
+    elif engine == "spark":
+        results = _spark(prompts, options, partitions)
+    else:
+        results = _dask(prompts, options, partitions)
+    return results, time.perf_counter() - started
+
+
+def _to_result(record: Mapping[str, Any]):
+    from llm_operator.results import GenerationResult
+
+    return GenerationResult(
+        text=record["text"] or "",
+        token_ids=(),
+        finish_reason=record["finish_reason"],
+        prompt_tokens=int(record["prompt_tokens"] or 0),
+        completion_tokens=int(record["completion_tokens"] or 0),
+        error=record["error"] if isinstance(record["error"], str) else None,
+    )
+
+
+def _spark(prompts: Sequence[Any], options, partitions: int) -> list:
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    from pyspark.sql import SparkSession
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+
+    from llm_operator.integrations.spark import co_locate, llm_infer
+
+    spark = (
+        SparkSession.builder.master(f"local[{partitions}]")
+        .appName("llm-operator")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    chat = any(isinstance(p, list) for p in prompts)
+    if chat:
+        message = T.StructType(
+            [T.StructField("role", T.StringType()), T.StructField("content", T.StringType())]
+        )
+        prompt_type: T.DataType = T.ArrayType(message)
+        values = [p if isinstance(p, list) or p is None else None for p in prompts]
+    else:
+        prompt_type = T.StringType()
+        values = [p if isinstance(p, str) or p is None else None for p in prompts]
+    schema = T.StructType(
+        [T.StructField("row", T.LongType()), T.StructField("prompt", prompt_type)]
+    )
+    frame = spark.createDataFrame(list(enumerate(values)), schema).repartition(partitions)
+    # chat rows co-locate by their messages as JSON (system and shared turns come first)
+    frame = co_locate(frame, F.to_json("prompt") if chat else "prompt", partitions)
+    out = frame.select("row", llm_infer("prompt", **_infer_kwargs(options)).alias("out"))
+    rows = sorted(out.collect(), key=lambda r: r["row"])
+    results = [_to_result(r["out"].asDict()) for r in rows]
+    if chat:  # one Spark column holds one type: plain strings went in as nulls
+        from llm_operator.results import GenerationResult
+
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                message = (
+                    "this Spark column holds chat message lists; a plain string cannot join it"
+                )
+                results[i] = GenerationResult.failed(message)
+    return _restore_type_errors(prompts, results)
+
+
+def _dask(prompts: Sequence[Any], options, partitions: int) -> list:
+    import dask
+    import dask.dataframe as dd
+    import pandas as pd
+
+    from llm_operator.integrations.dask import co_locate, llm_infer
+
+    values = [p if isinstance(p, (str, list)) else None for p in prompts]
+    # chat rows co-locate by their messages as JSON (system and shared turns come first)
+    keys = [json.dumps(p) if isinstance(p, list) else p for p in values]
+    frame = pd.DataFrame(
+        {
+            "row": range(len(prompts)),
+            "prompt": pd.Series(values, dtype=object),
+            "key": pd.Series(keys, dtype=object),
+        }
+    )
+    # keep message lists as Python objects (dask would turn object columns into strings)
+    with dask.config.set({"dataframe.convert-string": False, "scheduler": "threads"}):
+        ddf = dd.from_pandas(frame, npartitions=partitions)
+        ddf = co_locate(ddf, "key", partitions)
+        ddf = llm_infer(ddf, "prompt", output="out", **_infer_kwargs(options))
+        computed = ddf.compute().sort_values("row")
+    results = [
+        _to_result(
+            {
+                "text": r["out"],
+                "finish_reason": r["out_finish_reason"],
+                "prompt_tokens": r["out_prompt_tokens"],
+                "completion_tokens": r["out_completion_tokens"],
+                "error": r["out_error"],
+            }
+        )
+        for r in computed.to_dict("records")
+    ]
+    return _restore_type_errors(prompts, results)
+
+
+def _restore_type_errors(prompts: Sequence[Any], results: list) -> list:
+    """Values a column cannot hold (wrong types) went in as nulls; say what they were."""
+    from llm_operator.results import GenerationResult
+
+    for i, prompt in enumerate(prompts):
+        if prompt is not None and not isinstance(prompt, (str, list)):
+            results[i] = GenerationResult.failed(
+                f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}"
+            )
+    return results
+
+
+def _infer_kwargs(options) -> dict[str, Any]:
+    return {
+        "model": options.model,
+        "backend": options.backend,
+        "max_tokens": options.max_tokens,
+        "temperature": options.temperature,
+        "top_p": options.top_p,
+        "top_k": options.top_k,
+        "seed": options.seed,
+        "stop": list(options.stop) or None,
+        "engine_options": dict(options.engine_options) or None,
+    }
