@@ -160,11 +160,6 @@ def engine_constructions() -> int:
     return _constructions
 
 
-def clear_engines() -> None:
-    with _engines_lock:
-        _engines.clear()
-
-
 # -- running one partition --------------------------------------------------------
 def build_prompts(values: Sequence[Any], options: InferOptions) -> list[Any]:
     """Column values to prompts: chat wraps each string as a user message (after the system one)."""

@@ -32,16 +32,17 @@ def generate(
         raise ValueError(f"partitions must be an int >= 1, got {partitions!r}")
     from llm_operator.integrations._partition import make_options
 
-    options = make_options(model=model, engine_options=engine_options, **sampling)
+    infer_kwargs = {"model": model, **sampling, "engine_options": engine_options}
+    options = make_options(**infer_kwargs)
     started = time.perf_counter()
     if engine == "local":
         from llm_operator.integrations._partition import get_operator
 
         results = get_operator(options).generate(list(prompts), options.sampling())
     elif engine == "spark":
-        results = _spark(prompts, options, partitions)
+        results = _spark(prompts, infer_kwargs, partitions)
     else:
-        results = _dask(prompts, options, partitions)
+        results = _dask(prompts, infer_kwargs, partitions)
     return results, time.perf_counter() - started
 
 
@@ -58,7 +59,7 @@ def _to_result(record: Mapping[str, Any]):
     )
 
 
-def _spark(prompts: Sequence[Any], options, partitions: int) -> list:
+def _spark(prompts: Sequence[Any], infer_kwargs: Mapping[str, Any], partitions: int) -> list:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from pyspark.sql import SparkSession
@@ -91,7 +92,7 @@ def _spark(prompts: Sequence[Any], options, partitions: int) -> list:
     frame = spark.createDataFrame(list(enumerate(values)), schema).repartition(partitions)
     # chat rows co-locate by their messages as JSON (system and shared turns come first)
     frame = co_locate(frame, F.to_json("prompt") if chat else "prompt", partitions)
-    out = frame.select("row", llm_infer("prompt", **_infer_kwargs(options)).alias("out"))
+    out = frame.select("row", llm_infer("prompt", **infer_kwargs).alias("out"))
     rows = sorted(out.collect(), key=lambda r: r["row"])
     results = [_to_result(r["out"].asDict()) for r in rows]
     if chat:  # one Spark column holds one type: plain strings went in as nulls
@@ -106,7 +107,7 @@ def _spark(prompts: Sequence[Any], options, partitions: int) -> list:
     return _restore_type_errors(prompts, results)
 
 
-def _dask(prompts: Sequence[Any], options, partitions: int) -> list:
+def _dask(prompts: Sequence[Any], infer_kwargs: Mapping[str, Any], partitions: int) -> list:
     import dask
     import dask.dataframe as dd
     import pandas as pd
@@ -127,7 +128,7 @@ def _dask(prompts: Sequence[Any], options, partitions: int) -> list:
     with dask.config.set({"dataframe.convert-string": False, "scheduler": "threads"}):
         ddf = dd.from_pandas(frame, npartitions=partitions)
         ddf = co_locate(ddf, "key", partitions)
-        ddf = llm_infer(ddf, "prompt", output="out", **_infer_kwargs(options))
+        ddf = llm_infer(ddf, "prompt", output="out", **infer_kwargs)
         computed = ddf.compute().sort_values("row")
     results = [
         _to_result(
@@ -154,17 +155,3 @@ def _restore_type_errors(prompts: Sequence[Any], results: list) -> list:
                 f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}"
             )
     return results
-
-
-def _infer_kwargs(options) -> dict[str, Any]:
-    return {
-        "model": options.model,
-        "backend": options.backend,
-        "max_tokens": options.max_tokens,
-        "temperature": options.temperature,
-        "top_p": options.top_p,
-        "top_k": options.top_k,
-        "seed": options.seed,
-        "stop": list(options.stop) or None,
-        "engine_options": dict(options.engine_options) or None,
-    }

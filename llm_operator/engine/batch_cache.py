@@ -99,16 +99,6 @@ class DenseBatchCache:
     def time(self) -> int:
         return self.length - self.start
 
-    def bytes_per_column(self) -> int:
-        """Bytes of one row's K and V at one position, over all layers."""
-        return sum(
-            layer.buffer_keys[0, :, 0].numel() * layer.buffer_keys.element_size() * 2
-            for layer in self.layers
-        )
-
-    def allocated_bytes(self) -> int:
-        return self.rows * self.capacity * self.bytes_per_column()
-
     def row_lengths(self) -> torch.Tensor:
         """Columns from each row's first real token to the end of the time axis."""
         live = self.mask[:, self.start : self.length]
