@@ -134,12 +134,11 @@ def make_options(
 # -- one engine per worker process ----------------------------------------------------
 _engines: dict[tuple, Any] = {}
 _engines_lock = threading.Lock()
-_constructions = 0
+_constructions: dict[tuple, int] = {}  # engine key -> operators built for it in this process
 
 
 def get_operator(options: InferOptions, device: str | None = None):
     """The worker's LLMOperator for these options, built on first use and then reused."""
-    global _constructions
     key = options.engine_key(device)
     with _engines_lock:
         operator = _engines.get(key)
@@ -151,13 +150,15 @@ def get_operator(options: InferOptions, device: str | None = None):
                 engine["device"] = device
             operator = LLMOperator(options.model, backend=options.backend, **engine)
             _engines[key] = operator
-            _constructions += 1
+            _constructions[key] = _constructions.get(key, 0) + 1
         return operator
 
 
-def engine_constructions() -> int:
-    """How many operators this process has built (for tests and logs)."""
-    return _constructions
+def engine_constructions(key: tuple | None = None) -> int:
+    """How many operators this process has built, in all or for one `engine_key` (tests, logs)."""
+    if key is None:
+        return sum(_constructions.values())
+    return _constructions.get(key, 0)
 
 
 # -- running one partition --------------------------------------------------------

@@ -273,13 +273,16 @@ def test_engine_is_built_once_per_python_worker(spark, frame, model_dir):
         out = llm_infer("prompt", model=model_dir, max_tokens=max_tokens)
         assert frame.select(out.alias("out")).where("out.finish_reason = 'error'").count() == 0
 
+    # Workers live across the suite and may hold engines for other options; count this key's.
+    key = make_options(model=model_dir).engine_key("cpu")  # task_device on a CPU task
+
     @F.pandas_udf("string")
     def probe(batches: Iterator[pd.Series]) -> Iterator[pd.Series]:
         from llm_operator.integrations._partition import engine_constructions
 
         time.sleep(0.1)  # keep both task slots busy, so every idle worker gets a task
         for batch in batches:
-            yield pd.Series([f"{os.getpid()}:{engine_constructions()}"] * len(batch))
+            yield pd.Series([f"{os.getpid()}:{engine_constructions(key)}"] * len(batch))
 
     probes = spark.sparkContext.parallelize(range(8), 8).map(lambda i: (i,)).toDF(["i"])
     reports = {row[0] for row in probes.select(probe("i")).collect()}
