@@ -1,4 +1,4 @@
-"""The ``llm-operator`` command: run | plan | demo."""
+"""The ``llm-operator`` command: run | plan | bench | demo."""
 
 from __future__ import annotations
 
@@ -81,6 +81,57 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(plan)
     plan.add_argument("--max-tokens", type=int, default=64)
     plan.add_argument("--json", action="store_true", help="print the statistics as JSON")
+
+    bench = commands.add_parser(
+        "bench",
+        help="measure every system side by side (or, with 'planner', the planner alone)",
+        description="Run the benchmark workloads through every system in one run and write "
+        "<out>/<name>.json, .md and .png. 'bench planner' times the prefix planner alone.",
+    )
+    bench.add_argument(
+        "target",
+        nargs="?",
+        default="systems",
+        choices=["systems", "planner"],
+        help="systems (default) or planner",
+    )
+    bench.add_argument(
+        "--model", default=DEFAULT_MODEL, help="alias, Hugging Face model directory or .gguf file"
+    )
+    bench.add_argument(
+        "--quick", action="store_true", help="small workloads (about 2 minutes on 2 CPU cores)"
+    )
+    bench.add_argument(
+        "--size",
+        choices=["tiny", "quick", "default"],
+        help="workload sizes (default: default, or quick with --quick; tiny fits a 256-token model)",
+    )
+    bench.add_argument("--systems", help="comma-separated systems, or 'all' (the default)")
+    bench.add_argument("--workloads", help="comma-separated workloads, or 'all' (the default)")
+    bench.add_argument("--repeat", type=int, default=1, help="runs per system; medians reported")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
+    bench.add_argument("--name", help="file name of the results (default: bench-<size>)")
+    bench.add_argument("--static-batch-size", type=int, default=16, help="rows per hf-static batch")
+    bench.add_argument(
+        "--kv-cache-gib", type=float, default=4.0, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)"
+    )
+    bench.add_argument(
+        "--vllm-block-size",
+        type=int,
+        help="vLLM's KV block size (default: vLLM's own, 128 tokens on CPU; a multiple of 32)",
+    )
+    bench.add_argument(
+        "--vllm-eager",
+        action="store_true",
+        help="start vLLM without torch.compile (seconds instead of a minute; --quick sets it)",
+    )
+    bench.add_argument("--vllm-python", help="python of a venv with vllm (default: .venv-vllm)")
+    bench.add_argument("--timeout", type=float, help="seconds allowed per system")
+    bench.add_argument(
+        "--prompts", default="10000,100000,1000000", help="planner: batch sizes, comma-separated"
+    )
+    bench.add_argument("--prompt-tokens", type=int, default=500, help="planner: tokens per prompt")
 
     demo = commands.add_parser("demo", help="classify the bundled reviews and tickets with SmolLM2")
     _add_model_options(demo)
@@ -189,6 +240,38 @@ def command_plan(args) -> int:
     return 0
 
 
+def command_bench(args) -> int:
+    if args.target == "planner":
+        from llm_operator.bench.planner_scale import run_planner_suite
+
+        sizes = [int(text) for text in args.prompts.split(",") if text.strip()]
+        run_planner_suite(sizes, args.prompt_tokens, seed=args.seed, out=args.out / "planner.json")
+        return 0
+    from llm_operator.bench.suite import run_benchmark
+
+    report = run_benchmark(
+        model=args.model,
+        systems=args.systems,
+        workloads=args.workloads,
+        size=args.size or ("quick" if args.quick else "default"),
+        repeat=args.repeat,
+        seed=args.seed,
+        out_dir=args.out,
+        name=args.name,
+        static_batch_size=args.static_batch_size,
+        kv_cache_gib=args.kv_cache_gib,
+        vllm_block_size=args.vllm_block_size,
+        vllm_eager=args.vllm_eager or args.quick,
+        vllm_python=args.vllm_python,
+        timeout=args.timeout,
+    )
+    from llm_operator.bench.report import markdown_table
+
+    print(markdown_table(report["results"], [{**w, "summary": w} for w in report["workloads"]]))
+    failed = [r for r in report["results"] if r["status"] == "failed"]
+    return 1 if failed else 0
+
+
 def command_demo(args) -> int:
     from llm_operator.demo import run_demo
 
@@ -208,7 +291,12 @@ def command_demo(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    handlers = {"run": command_run, "plan": command_plan, "demo": command_demo}
+    handlers = {
+        "run": command_run,
+        "plan": command_plan,
+        "bench": command_bench,
+        "demo": command_demo,
+    }
     started = time.perf_counter()
     try:
         return handlers[args.command](args)

@@ -204,6 +204,11 @@ class LLMOperator:
         token_ids, params, _, _ = self._prepare(prompts, sampling)
         return self._plan(token_ids, params)[0]
 
+    def tokenize(self, prompts: Sequence[Prompt]) -> list[list[int] | None]:
+        """The token ids each prompt runs with (chat template applied); None where the row
+        would fail (null, empty, too long, not a prompt)."""
+        return self._prepare(prompts, None)[0]
+
     def generate(
         self,
         prompts: Sequence[Prompt],

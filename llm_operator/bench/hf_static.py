@@ -24,11 +24,18 @@ def run_hf_static(
     tokenizer,
     prompts: Sequence[Sequence[int]],
     *,
-    max_tokens: int,
+    max_tokens: int | Sequence[int],
     batch_size: int,
     stop: Sequence[str] = (),
 ) -> StaticRun:
-    """Greedy ``model.generate`` over ``prompts`` (token ids), ``batch_size`` at a time, left-padded."""
+    """Greedy ``model.generate`` over ``prompts`` (token ids), ``batch_size`` at a time, left-padded.
+
+    max_tokens: one limit, or one per prompt; a batch runs to its largest limit (as one
+    ``generate`` call must) and each row is cut to its own afterwards.
+    """
+    limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+    if len(limits) != len(prompts):
+        raise ValueError(f"max_tokens has {len(limits)} limits for {len(prompts)} prompts")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = model.generation_config.eos_token_id
     eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
@@ -49,12 +56,13 @@ def run_hf_static(
         generated = model.generate(
             input_ids=input_ids.to(device),
             attention_mask=mask.to(device),
-            max_new_tokens=max_tokens,
+            max_new_tokens=max(limits[begin : begin + batch_size]),
             do_sample=False,
             pad_token_id=pad,
             **extra,
         )
-        for row in generated[:, width:].tolist():
+        for offset, row in enumerate(generated[:, width:].tolist()):
+            row = row[: limits[begin + offset]]
             cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
             row = row[:cut]
             while stop and row and row[-1] == pad and pad not in eos_ids:

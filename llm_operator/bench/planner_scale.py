@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -87,6 +88,44 @@ def run_planner_benchmark(num_prompts: int, prompt_tokens: int = 500, *, seed: i
         "saving_ratio": plan.stats.saving_ratio,
         "workload_seconds": workload_seconds,
     }
+
+
+def run_planner_suite(
+    sizes: list[int], prompt_tokens: int = 500, *, seed: int = 0, out: Path | None = None
+) -> dict:
+    """``llm-operator bench planner``: the planner alone at each batch size, one after another.
+
+    Prints a line per size and writes ``out`` (JSON with the machine) when given.
+    """
+    import gc
+    import os
+    import platform
+
+    if not sizes or any(size < 1 for size in sizes):
+        raise ValueError(f"--prompts must be positive batch sizes, got {sizes}")
+    results = []
+    for size in sizes:
+        result = run_planner_benchmark(size, prompt_tokens, seed=seed)
+        gc.collect()
+        results.append(result)
+        print(
+            f"planner: {size:>9,} prompts, {result['tokens']:>12,} tokens: "
+            f"{result['seconds']:7.2f} s, {result['prompts_per_second']:>10,.0f} prompts/s, "
+            f"{result['tokens_per_second'] / 1e6:6.1f} M tokens/s, {result['groups']} groups, "
+            f"saving {result['saving_ratio']:.1%}",
+            flush=True,
+        )
+    report = {
+        "prompt_tokens": prompt_tokens,
+        "seed": seed,
+        "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version()},
+        "results": results,
+    }
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))
+        print(f"planner: wrote {out}")
+    return report
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,175 @@
+"""``run_benchmark``: the whole side-by-side run, written to ``<out>/<name>.json|.md|.png``."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from llm_operator.bench.report import markdown_table, write_chart
+from llm_operator.bench.runner import (
+    _stderr,
+    build_records,
+    machine_info,
+    now,
+    prepare_workloads,
+    run_vllm_systems,
+    run_worker_system,
+)
+from llm_operator.bench.systems import BASELINE, parse_systems
+
+
+def parse_workloads(text: str | None) -> list[str]:
+    from llm_operator.bench.workloads import WORKLOAD_NAMES
+
+    if text is None or text.strip() == "all":
+        return list(WORKLOAD_NAMES)
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in WORKLOAD_NAMES]
+    if unknown or not names:
+        raise ValueError(
+            f"unknown workload(s) {unknown or text!r}; choose from {', '.join(WORKLOAD_NAMES)} "
+            "or 'all'"
+        )
+    return list(dict.fromkeys(names))
+
+
+def eos_token_ids(model_path: str, tokenizer) -> set[int]:
+    """Every id that ends a generation: the generation config's EOS ids and the tokenizer's."""
+    from transformers import GenerationConfig
+
+    ids: set[int] = set()
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    except OSError:
+        pass
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def run_benchmark(
+    *,
+    model: str,
+    systems: str | None = None,
+    workloads: str | None = None,
+    size: str = "default",
+    repeat: int = 1,
+    seed: int = 0,
+    out_dir: Path = Path("bench-results"),
+    name: str | None = None,
+    static_batch_size: int = 16,
+    kv_cache_gib: float = 4.0,
+    vllm_block_size: int | None = None,
+    vllm_eager: bool = False,
+    vllm_python: str | None = None,
+    timeout: float | None = None,
+    log=_stderr,
+) -> dict[str, Any]:
+    """Run every chosen system on every chosen workload; write and return the report."""
+    from llm_operator import LLMOperator
+
+    if repeat < 1:
+        raise ValueError(f"--repeat must be >= 1, got {repeat}")
+    if static_batch_size < 1:
+        raise ValueError(f"--static-batch-size must be >= 1, got {static_batch_size}")
+    specs = parse_systems(systems)
+    names = parse_workloads(workloads)
+    name = name or f"bench-{size}"
+    if "/" in name or not name.strip():
+        raise ValueError(f"--name must be a plain file name, got {name!r}")
+    started = time.perf_counter()
+    operator = LLMOperator(model)  # tokenizer only: the systems load the model themselves
+    model_path = str(operator.model.path)
+    log(f"bench: model {model} ({model_path}); preparing {len(names)} workloads ({size})")
+    prepared = prepare_workloads(operator, names, size=size, seed=seed)
+    for w in prepared:
+        s = w["summary"]
+        log(
+            f"  {w['name']}: {s['rows']} rows, {s['prompt_tokens']:,} prompt tokens, "
+            f"minimum prefill {s['min_prefill_tokens']:,}, max tokens {s['max_tokens_total']:,}"
+        )
+    raw: dict[str, dict] = {}
+    worker_specs = [spec for spec in specs if spec.kind != "vllm"]
+    vllm_specs = [spec for spec in specs if spec.kind == "vllm"]
+    for index, spec in enumerate(worker_specs, 1):
+        log(f"bench: [{index}/{len(specs)}] {spec.name}: {spec.description}")
+        options = {"batch_size": static_batch_size} if spec.kind == "static" else {}
+        raw[spec.name] = run_worker_system(
+            spec, model_path, prepared, repeat=repeat, options=options, timeout=timeout, log=log
+        )
+        if "error" in raw[spec.name]:
+            log(f"bench: {spec.name} failed: {raw[spec.name]['error']}")
+    if vllm_specs:
+        log(f"bench: {', '.join(s.name for s in vllm_specs)} through vLLM (a subprocess)")
+        raw.update(
+            run_vllm_systems(
+                vllm_specs,
+                model_path,
+                prepared,
+                repeat=repeat,
+                kv_cache_gib=kv_cache_gib,
+                block_size=vllm_block_size,
+                eager=vllm_eager,
+                python=vllm_python,
+                timeout=timeout,
+                log=log,
+            )
+        )
+        for spec in vllm_specs:
+            problem = raw[spec.name].get("error") or raw[spec.name].get("skipped")
+            if problem:
+                log(f"bench: {spec.name} not measured: {problem}")
+    records = build_records(specs, raw, prepared, eos_token_ids(model_path, operator.tokenizer))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    chart = out_dir / f"{name}.png"
+    title = f"llm-operator bench {name}: {model}, size {size}, median of {repeat}"
+    report: dict[str, Any] = {
+        "name": name,
+        "created": now(),
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "model": model,
+        "model_path": model_path,
+        "size": size,
+        "seed": seed,
+        "repeat": repeat,
+        "static_batch_size": static_batch_size,
+        "kv_cache_gib": kv_cache_gib,
+        "vllm_eager": vllm_eager,
+        "baseline": BASELINE,
+        "machine": machine_info(),
+        "vllm": {
+            key: next((raw[s.name].get(key) for s in vllm_specs if key in raw[s.name]), None)
+            for key in ("vllm_version", "kv_cache_tokens", "block_size", "load_seconds")
+        },
+        "systems": [
+            {"name": s.name, "kind": s.kind, "description": s.description, "options": s.options}
+            for s in specs
+        ],
+        "workloads": [
+            {
+                "name": w["name"],
+                "description": w["description"],
+                "params": w["params"],
+                **w["summary"],
+            }
+            for w in prepared
+        ],
+        "results": records,
+        "chart": None,
+        "seconds": None,
+    }
+    if write_chart(records, prepared, chart, title):
+        report["chart"] = str(chart)
+    else:
+        log("bench: no chart (matplotlib missing: pip install 'llm-operator[bench]')")
+    report["seconds"] = time.perf_counter() - started
+    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
+    (out_dir / f"{name}.md").write_text(markdown_table(records, prepared))
+    log(f"bench: wrote {out_dir / (name + '.json')} in {report['seconds']:.0f} s")
+    return report

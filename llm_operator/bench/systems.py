@@ -1,0 +1,95 @@
+"""The systems ``llm-operator bench`` compares, and how each one is run.
+
+Every system runs in a subprocess of its own (``bench.worker`` in this Python, or
+``bench.vllm_runner`` in the vLLM venv), so load time, peak memory and warm caches never
+leak from one system into the next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    """One system: kind "static" (HF generate, fixed batches), "operator" (LLMOperator)
+    or "vllm" (vLLM's offline engine); ``shuffled`` submits the rows in a seeded random order."""
+
+    name: str
+    kind: str
+    description: str
+    options: dict[str, Any] = field(default_factory=dict)
+    shuffled: bool = False
+
+
+SYSTEMS: dict[str, SystemSpec] = {
+    spec.name: spec
+    for spec in (
+        SystemSpec(
+            "hf-static",
+            "static",
+            "HF generate on fixed batches in input order, each run to completion (a pandas UDF)",
+        ),
+        SystemSpec(
+            "hf-static-shuffled",
+            "static",
+            "hf-static with the rows shuffled",
+            shuffled=True,
+        ),
+        SystemSpec(
+            "hf",
+            "operator",
+            "llm-operator, hf backend: global prefix sharing, decode-first, BATON re-batching",
+            {"backend": "hf"},
+        ),
+        SystemSpec(
+            "hf-noshare",
+            "operator",
+            "hf without global prefix sharing (ablation)",
+            {"backend": "hf", "share_prefixes": False},
+        ),
+        SystemSpec(
+            "hf-nodecodefirst",
+            "operator",
+            "hf without decode-first order (ablation)",
+            {"backend": "hf", "decode_first": False},
+        ),
+        SystemSpec(
+            "vllm",
+            "vllm",
+            "vLLM offline, prefix caching on, rows in input order",
+            {"prefix_caching": True},
+        ),
+        SystemSpec(
+            "vllm-shuffled",
+            "vllm",
+            "vLLM offline, prefix caching on, rows shuffled",
+            {"prefix_caching": True},
+            shuffled=True,
+        ),
+        SystemSpec(
+            "vllm-noprefix",
+            "vllm",
+            "vLLM offline, prefix caching off, rows in input order",
+            {"prefix_caching": False},
+        ),
+    )
+}
+
+DEFAULT_SYSTEMS = tuple(SYSTEMS)
+BASELINE = "hf-static"
+VLLM_REFERENCE = "vllm"
+
+
+def parse_systems(text: str | None) -> list[SystemSpec]:
+    """A comma-separated list of system names (None or "all": every system), in that order."""
+    if text is None or text.strip() == "all":
+        return [SYSTEMS[name] for name in DEFAULT_SYSTEMS]
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SYSTEMS]
+    if unknown or not names:
+        raise ValueError(
+            f"unknown system(s) {unknown or text!r}; choose from {', '.join(SYSTEMS)} or 'all'"
+        )
+    return [SYSTEMS[name] for name in dict.fromkeys(names)]

@@ -1,0 +1,347 @@
+"""vLLM's offline engine as a benchmarked system: ``python -m llm_operator.bench.vllm_runner JOB RESULT``.
+
+Runs inside the vLLM venv (``make vllm-env``), so it imports only the standard library at
+the top and vLLM inside functions; it never needs pandas, pyarrow or the rest of
+llm_operator. ``bench.vllm_systems.run_vllm_job`` starts it.
+
+JOB (JSON)::
+
+    {"model": "/hf/model/dir", "dtype": "float32", "prefix_caching": true,
+     "prompts": [[token ids], ...],            # input order
+     "max_tokens": [int per prompt],
+     "runs": [{"name": "vllm", "order": [row indices in submission order]}, ...],
+     "repeat": 1, "warmup": true,
+     "kv_cache_gib": 4,                        # null: vLLM's own default
+     "block_size": null, "max_num_batched_tokens": null, "max_num_seqs": null,
+     "enforce_eager": null,                    # true skips torch.compile (faster start)
+     "max_model_len": null}                    # null: longest prompt + its max_tokens
+
+A run may carry its own "prompts" and "max_tokens" (then "order" indexes those); runs
+without them use the job's. One engine serves every run; the prefix cache is reset before
+each run and each repeat, so no run warms the next.
+
+RESULT (JSON)::
+
+    {"vllm_version", "device", "load_seconds", "kv_cache_blocks", "kv_cache_tokens",
+     "block_size", "max_model_len",
+     "in_process_engine",                      # engine core in this process?
+     "torch_threads" (in process only), "cpu_affinity": {pid: [cpus]}, "peak_rss_scope",
+     "runs": [{"name", "seconds": [per repeat],
+               "token_ids": [[generated ids] per row, input order, first repeat],
+               "finish_reasons", "prompt_tokens", "cached_tokens" (first repeat),
+               "cached_tokens_per_repeat", "prefill_tokens_computed", "output_tokens",
+               "peak_rss_bytes" (first repeat), "peak_rss_bytes_per_repeat"}]}
+
+or ``{"error": "<type>: <message>", "traceback": "..."}`` with exit status 1.
+
+Peak memory is VmHWM (reset through /proc/<pid>/clear_refs before each repeat) of this
+process plus, when the engine core runs in child processes (vLLM's default
+multiprocessing), the sum of theirs: "peak_rss_scope" says which.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+GIB = 1 << 30
+WARMUP_PROMPT_TOKENS = 16
+WARMUP_MAX_TOKENS = 2
+LLM_OPTIONS = ("block_size", "max_num_batched_tokens", "max_num_seqs", "enforce_eager")
+
+
+def log(message: str) -> None:
+    print(f"vllm_runner: {message}", file=sys.stderr, flush=True)
+
+
+# -- peak resident memory of this process and its engine-core children ------------------
+def _child_pids(pid: int) -> list[int]:
+    """Every descendant of `pid` (Linux /proc; empty elsewhere)."""
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            children = Path(f"/proc/{pid}/task/{task}/children").read_text().split()
+        except OSError:
+            continue
+        for child in map(int, children):
+            found.append(child)
+            found.extend(_child_pids(child))
+    return found
+
+
+def _engine_pids() -> list[int]:
+    return [os.getpid(), *_child_pids(os.getpid())]
+
+
+def reset_peak_rss(pids: list[int]) -> None:
+    """Reset the kernel's peak-RSS mark (VmHWM) of each process; a no-op off Linux."""
+    for pid in pids:
+        try:
+            Path(f"/proc/{pid}/clear_refs").write_text("5")
+        except OSError:
+            pass
+
+
+def peak_rss_bytes(pids: list[int]) -> int | None:
+    """Sum of VmHWM over `pids` (an upper bound of their joint peak), or None if unknown."""
+    total, known = 0, False
+    for pid in pids:
+        try:
+            lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            if line.startswith("VmHWM:"):
+                total += int(line.split()[1]) * 1024
+                known = True
+    return total if known else None
+
+
+def _cpu_affinity(pids: list[int]) -> dict[str, list[int]]:
+    """The CPUs each engine process may run on (empty where the OS cannot say)."""
+    affinity = {}
+    for pid in pids:
+        try:
+            affinity[str(pid)] = sorted(os.sched_getaffinity(pid))
+        except (AttributeError, OSError):
+            continue
+    return affinity
+
+
+# -- the job ----------------------------------------------------------------------------
+def _resolve_runs(job: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each run with its own prompts, max_tokens and a checked submission order."""
+    runs = job.get("runs")
+    if not isinstance(runs, list) or not runs:
+        raise ValueError(f"job 'runs' must be a non-empty list, got {runs!r}")
+    resolved = []
+    for index, run in enumerate(runs):
+        name = run.get("name", f"run{index}")
+        prompts = run.get("prompts") or job.get("prompts")
+        max_tokens = run.get("max_tokens") or job.get("max_tokens")
+        if not prompts:
+            raise ValueError(f"run {name!r}: no prompts (job 'prompts' or run 'prompts')")
+        if not isinstance(max_tokens, list) or len(max_tokens) != len(prompts):
+            raise ValueError(
+                f"run {name!r}: max_tokens must list one int per prompt "
+                f"({len(prompts)} prompts), got {max_tokens!r}"
+            )
+        if any(not ids for ids in prompts):
+            raise ValueError(f"run {name!r}: every prompt needs at least one token id")
+        order = run.get("order")
+        order = list(range(len(prompts))) if order is None else [int(i) for i in order]
+        if sorted(order) != list(range(len(prompts))):
+            raise ValueError(f"run {name!r}: order must be a permutation of 0..{len(prompts) - 1}")
+        resolved.append(
+            {"name": name, "prompts": prompts, "max_tokens": max_tokens, "order": order}
+        )
+    return resolved
+
+
+def _check_model(job: dict[str, Any]) -> str:
+    """The job's model; an absolute or ./ path must exist (checked before vLLM's slow import)."""
+    model = job.get("model")
+    if not model or not isinstance(model, str):
+        raise ValueError(f"job 'model' must name a Hugging Face model directory, got {model!r}")
+    path = Path(model).expanduser()
+    if (path.is_absolute() or model.startswith((".", "~"))) and not path.is_dir():
+        raise FileNotFoundError(f"model directory {model!r} does not exist")
+    return model
+
+
+def _llm_kwargs(job: dict[str, Any], max_model_len: int) -> dict[str, Any]:
+    model = _check_model(job)
+    kwargs: dict[str, Any] = dict(
+        model=model,
+        tokenizer=model,
+        dtype=job.get("dtype") or "auto",
+        enable_prefix_caching=bool(job.get("prefix_caching", True)),
+        max_model_len=max_model_len,
+        seed=0,
+        disable_log_stats=True,
+    )
+    kv_cache_gib = job.get("kv_cache_gib")
+    if kv_cache_gib is not None:
+        # Works on every device; on CPU an already-set VLLM_CPU_KVCACHE_SPACE overrides it.
+        kwargs["kv_cache_memory_bytes"] = int(float(kv_cache_gib) * GIB)
+    for option in LLM_OPTIONS:
+        if job.get(option) is not None:
+            kwargs[option] = job[option]
+    return kwargs
+
+
+def _kv_cache_capacity(llm: Any) -> tuple[int | None, int | None]:
+    """(number of KV blocks, tokens per block) the engine allocated.
+
+    EngineCore writes the block count into its ``cache_config.num_gpu_blocks`` after
+    profiling (the name says gpu, the CPU backend uses it too); the multiprocessing client
+    copies it back into the front end's config from the engine core's handshake.
+    """
+    cache_config = llm.llm_engine.vllm_config.cache_config
+    blocks = getattr(cache_config, "num_gpu_blocks", None)
+    return (int(blocks) if blocks else None), int(cache_config.block_size)
+
+
+def _generate(llm: Any, prompts: list[list[int]], max_tokens: list[int]) -> list[Any]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    requests = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts]
+    params = [
+        SamplingParams(max_tokens=int(m), temperature=0.0, top_p=1.0, top_k=0) for m in max_tokens
+    ]
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    assert len(outputs) == len(prompts), f"{len(outputs)} outputs for {len(prompts)} prompts"
+    return outputs
+
+
+def _reset_prefix_cache(llm: Any) -> None:
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
+
+
+def _run_once(llm: Any, run: dict[str, Any], pids: list[int]) -> dict[str, Any]:
+    """One timed pass over the run's rows in its submission order, from a cold prefix cache."""
+    order = run["order"]
+    _reset_prefix_cache(llm)
+    reset_peak_rss(pids)
+    started = time.perf_counter()
+    outputs = _generate(
+        llm, [run["prompts"][i] for i in order], [run["max_tokens"][i] for i in order]
+    )
+    seconds = time.perf_counter() - started
+    peak = peak_rss_bytes(pids)
+    token_ids: list[list[int]] = [[] for _ in order]
+    finish_reasons: list[str | None] = [None for _ in order]
+    for row, output in zip(order, outputs):
+        completion = output.outputs[0]
+        token_ids[row] = list(completion.token_ids)
+        finish_reasons[row] = completion.finish_reason
+    return {
+        "seconds": seconds,
+        "token_ids": token_ids,
+        "finish_reasons": finish_reasons,
+        "cached_tokens": sum(output.num_cached_tokens or 0 for output in outputs),
+        "peak_rss_bytes": peak,
+    }
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    """Start one engine, run every run `repeat` times; the RESULT dict."""
+    _check_model(job)
+    runs = _resolve_runs(job)
+    repeat = int(job.get("repeat", 1))
+    if repeat < 1:
+        raise ValueError(f"job 'repeat' must be >= 1, got {repeat}")
+    max_model_len = job.get("max_model_len") or max(
+        len(ids) + int(m) for run in runs for ids, m in zip(run["prompts"], run["max_tokens"])
+    )
+
+    import vllm
+    from vllm import LLM
+
+    kwargs = _llm_kwargs(job, int(max_model_len))
+    log(f"starting vLLM {vllm.__version__}: {kwargs}")
+    started = time.perf_counter()
+    llm = LLM(**kwargs)
+    load_seconds = time.perf_counter() - started
+    blocks, block_size = _kv_cache_capacity(llm)
+    kv_cache_tokens = blocks * block_size if blocks is not None and block_size else None
+    pids = _engine_pids()
+    in_process = len(pids) == 1
+    log(
+        f"load done in {load_seconds:.1f} s; KV cache {blocks} blocks x {block_size} tokens; "
+        f"engine core {'in this process' if in_process else f'in pids {pids[1:]}'}"
+    )
+
+    if job.get("warmup", True):
+        first = runs[0]["prompts"][0][:WARMUP_PROMPT_TOKENS]
+        _generate(llm, [first], [WARMUP_MAX_TOKENS])
+        _reset_prefix_cache(llm)
+        log("warm-up done")
+
+    results = []
+    for run in runs:
+        passes = []
+        for k in range(repeat):
+            passes.append(_run_once(llm, run, pids))
+            log(f"run {run['name']} repeat {k + 1}/{repeat}: {passes[-1]['seconds']:.3f} s")
+        first = passes[0]
+        prompt_tokens = sum(len(ids) for ids in run["prompts"])
+        results.append(
+            {
+                "name": run["name"],
+                "seconds": [p["seconds"] for p in passes],
+                "token_ids": first["token_ids"],
+                "finish_reasons": first["finish_reasons"],
+                "prompt_tokens": prompt_tokens,
+                "cached_tokens": first["cached_tokens"],
+                "cached_tokens_per_repeat": [p["cached_tokens"] for p in passes],
+                "prefill_tokens_computed": prompt_tokens - first["cached_tokens"],
+                "output_tokens": sum(len(ids) for ids in first["token_ids"]),
+                "peak_rss_bytes": first["peak_rss_bytes"],
+                "peak_rss_bytes_per_repeat": [p["peak_rss_bytes"] for p in passes],
+            }
+        )
+    device = llm.llm_engine.vllm_config.device_config.device_type
+    import torch
+
+    return {
+        "vllm_version": vllm.__version__,
+        "device": str(device),
+        "load_seconds": load_seconds,
+        "kv_cache_blocks": blocks,
+        "kv_cache_tokens": kv_cache_tokens,
+        "block_size": block_size,
+        "max_model_len": int(llm.llm_engine.vllm_config.model_config.max_model_len),
+        "in_process_engine": in_process,
+        # vLLM-cpu's multiprocessing pins the model worker to all cores but one (kept for
+        # its scheduler); in process it keeps torch's threads. Say what the model ran on.
+        "torch_threads": torch.get_num_threads() if in_process else None,
+        "cpu_affinity": _cpu_affinity(pids),
+        "peak_rss_scope": "this process"
+        if in_process
+        else f"sum of VmHWM over this process and {len(pids) - 1} engine processes",
+        "runs": results,
+    }
+
+
+def _write_json(path: Path, payload: dict[str, Any]) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(payload))
+    partial.replace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print(
+            "usage: python -m llm_operator.bench.vllm_runner JOB.json RESULT.json", file=sys.stderr
+        )
+        return 2
+    job_path, result_path = Path(args[0]), Path(args[1])
+    try:
+        result = run_job(json.loads(job_path.read_text()))
+    except Exception as error:  # the caller reads the reason from RESULT
+        log(f"failed: {type(error).__name__}: {error}")
+        _write_json(
+            result_path,
+            {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()},
+        )
+        return 1
+    _write_json(result_path, result)
+    log(f"done: {result_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""One benchmarked system in its own process: ``python -m llm_operator.bench.worker JOB RESULT``.
+
+A fresh process per system keeps the figures apart: model load time, peak memory (the
+process's peak resident set, reset before each run) and no state left by another system.
+
+JOB (JSON)::
+
+    {"system": "hf", "kind": "operator" | "static", "model": "/model/dir",
+     "options": {...},            # LLMOperator keywords (operator) or {"batch_size": 16} (static)
+     "repeat": 1, "warmup": true,
+     "workloads": [{"name": ..., "prompts": [...], "token_ids": [[...]], "max_tokens": [...],
+                    "order": [row indices in submission order]}]}
+
+RESULT (JSON): ``{"load_seconds", "device", "runs": [{"workload", "seconds": [per repeat],
+"token_ids" (input order, first repeat), "prompt_tokens", "prefill_tokens_computed",
+"output_tokens", "peak_rss_bytes", "peak_device_bytes"}]}``, or ``{"error", "traceback"}``
+with exit status 1.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+
+def reset_peak_rss() -> None:
+    """Reset the kernel's peak-RSS mark of this process (Linux; a no-op elsewhere)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_rss_bytes() -> int | None:
+    """The process's peak resident set since the last reset (VmHWM), or None if unknown."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __enter__(self) -> _Timer:
+        self._started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self._started
+
+
+def _device_peak_reset(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _device_peak(device) -> int | None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device))
+    return None
+
+
+def _in_order(order: list[int], outputs: list[Any]) -> list[Any]:
+    """Outputs produced in submission ``order`` back to input order."""
+    result: list[Any] = [None] * len(order)
+    for position, row in enumerate(order):
+        result[row] = outputs[position]
+    return result
+
+
+class OperatorSystem:
+    """Our LLMOperator (any backend and ablation), fed the original prompts."""
+
+    def __init__(self, model: str, options: dict[str, Any]) -> None:
+        from llm_operator import LLMOperator
+
+        self.operator = LLMOperator(model, **options)
+        with _Timer() as timer:
+            backend = self.operator.backend()
+        self.load_seconds = timer.seconds
+        self.device = getattr(backend, "device", None)
+
+    def run(self, workload: dict[str, Any]) -> dict[str, Any]:
+        from llm_operator import SamplingParams
+
+        order = workload["order"]
+        prompts = [workload["prompts"][row] for row in order]
+        sampling = [SamplingParams(max_tokens=workload["max_tokens"][row]) for row in order]
+        results = self.operator.generate(prompts, sampling)
+        failed = [r.error for r in results if r.finish_reason == "error"]
+        if failed:
+            raise RuntimeError(f"{len(failed)} rows failed, first: {failed[0]}")
+        stats = self.operator.last_stats
+        return {
+            "token_ids": _in_order(order, [list(r.token_ids) for r in results]),
+            "prefill_tokens_computed": stats.prefill_tokens_computed,
+            "output_tokens": stats.output_tokens,
+        }
+
+
+class StaticSystem:
+    """Hugging Face ``generate`` on fixed-size batches in submission order."""
+
+    def __init__(self, model: str, options: dict[str, Any]) -> None:
+        from transformers.utils import logging as hf_logging
+
+        from llm_operator.models import (
+            load_causal_lm,
+            load_tokenizer,
+            resolve_device,
+            resolve_dtype,
+            resolve_model,
+        )
+
+        hf_logging.disable_progress_bar()  # the worker logs its own lines
+        path = resolve_model(model).path
+        self.device = resolve_device(options.get("device", "auto"))
+        dtype = resolve_dtype(options.get("dtype", "auto"), self.device)
+        self.batch_size = int(options.get("batch_size", 16))
+        self.tokenizer = load_tokenizer(path)
+        with _Timer() as timer:
+            self.model = load_causal_lm(path, device=self.device, dtype=dtype)
+        self.load_seconds = timer.seconds
+
+    def run(self, workload: dict[str, Any]) -> dict[str, Any]:
+        from llm_operator.bench.hf_static import run_hf_static
+
+        order = workload["order"]
+        static = run_hf_static(
+            self.model,
+            self.tokenizer,
+            [workload["token_ids"][row] for row in order],
+            max_tokens=[workload["max_tokens"][row] for row in order],
+            batch_size=self.batch_size,
+        )
+        return {
+            "token_ids": _in_order(order, static.token_ids),
+            "prefill_tokens_computed": static.padded_prompt_tokens,
+            "output_tokens": static.output_tokens,
+        }
+
+
+SYSTEM_KINDS = {"operator": OperatorSystem, "static": StaticSystem}
+
+
+def run_job(job: dict[str, Any], log=lambda message: None) -> dict[str, Any]:
+    """Load the system once, then time every workload ``repeat`` times (after a warm-up)."""
+    system = SYSTEM_KINDS[job["kind"]](job["model"], dict(job.get("options") or {}))
+    device = system.device
+    log(f"{job['system']}: model loaded in {system.load_seconds:.1f} s")
+    runs = []
+    for workload in job["workloads"]:
+        if job.get(
+            "warmup", True
+        ):  # one short request: lazy initialisation stays out of the timing
+            first = workload["order"][0]
+            system.run(
+                {
+                    "prompts": [workload["prompts"][first]],
+                    "token_ids": [workload["token_ids"][first]],
+                    "max_tokens": [2],
+                    "order": [0],
+                }
+            )
+        seconds, first_run = [], None
+        for repeat in range(int(job.get("repeat", 1))):
+            reset_peak_rss()
+            if device is not None:
+                _device_peak_reset(device)
+            with _Timer() as timer:
+                outcome = system.run(workload)
+            seconds.append(timer.seconds)
+            log(
+                f"{job['system']} / {workload['name']}: run {repeat + 1} took {timer.seconds:.2f} s"
+            )
+            if first_run is None:
+                first_run = outcome
+                first_run["peak_rss_bytes"] = peak_rss_bytes()
+                first_run["peak_device_bytes"] = (
+                    _device_peak(device) if device is not None else None
+                )
+        runs.append(
+            {
+                "workload": workload["name"],
+                "seconds": seconds,
+                "prompt_tokens": sum(len(ids) for ids in workload["token_ids"]),
+                **first_run,
+            }
+        )
+    return {"load_seconds": system.load_seconds, "device": str(device), "runs": runs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    job_path, result_path = argv if argv is not None else sys.argv[1:3]
+    job = json.loads(Path(job_path).read_text())
+    try:
+        result = run_job(job, log=lambda message: print(message, file=sys.stderr, flush=True))
+    except Exception as error:  # reported to the parent, which marks the system failed
+        Path(result_path).write_text(
+            json.dumps(
+                {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+            )
+        )
+        return 1
+    Path(result_path).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
