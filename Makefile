@@ -56,7 +56,7 @@ $(VLLM_VENV)/.installed: setup.cfg
 	$(VLLM_VENV)/bin/python -c "import vllm, transformers, llm_operator; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 	touch $@
 
-bench: $(VENV)/.installed-run
+bench: $(VENV)/.installed-run $(VLLM_VENV)/.installed
 	$(VENV)/bin/llm-operator bench
 
 bench-quick: $(VENV)/.installed-run
