@@ -59,11 +59,14 @@ def physical_memory_bytes() -> int:
 class EngineConfig:
     """Options of one ``LLMOperator``.
 
-    backend: "auto" (hf for now), "hf"; "native" and "vllm" are not built yet.
+    backend: "auto" (hf for now), "hf", "native" (Llama, Qwen2, Qwen3, Mistral: our own
+        forward over a paged KV cache); "vllm" is not built yet.
     kv_cache_memory: bytes (or "2GiB") the KV cache may hold at once; "auto"
         takes a quarter of RAM on CPU (at most 8 GiB) or 80% of free GPU memory.
     max_batch_size: most rows decoding at once.
-    prefill_batch_tokens: most (padded) tokens in one prefill forward pass.
+    prefill_batch_tokens: most (padded) tokens in one prefill forward pass (hf); most
+        tokens in one iteration, decodes included (native).
+    kv_block_size: tokens per KV block of the native backend's paged cache.
     min_shared_tokens: shortest prefix worth sharing between rows.
     share_prefixes / decode_first: the planner's optimizations (off for ablations).
     """
@@ -74,6 +77,7 @@ class EngineConfig:
     kv_cache_memory: int | str = "auto"
     max_batch_size: int = 256
     prefill_batch_tokens: int = 4096
+    kv_block_size: int = 16
     min_shared_tokens: int = 4
     share_prefixes: bool = True
     decode_first: bool = True
@@ -83,12 +87,17 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
-        if self.backend in ("native", "vllm"):
+        if self.backend == "vllm":
             raise ValueError(
                 f"backend={self.backend!r} is not available yet; use backend='hf' or 'auto'"
             )
         parse_memory_size(self.kv_cache_memory)
-        for name in ("max_batch_size", "prefill_batch_tokens", "min_shared_tokens"):
+        for name in (
+            "max_batch_size",
+            "prefill_batch_tokens",
+            "kv_block_size",
+            "min_shared_tokens",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {value!r}")

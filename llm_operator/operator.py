@@ -42,6 +42,7 @@ class LLMOperator:
         kv_cache_memory: int | str = "auto",
         max_batch_size: int = 256,
         prefill_batch_tokens: int = 4096,
+        kv_block_size: int = 16,
         min_shared_tokens: int = 4,
         share_prefixes: bool = True,
         decode_first: bool = True,
@@ -60,6 +61,7 @@ class LLMOperator:
             kv_cache_memory=kv_cache_memory,
             max_batch_size=max_batch_size,
             prefill_batch_tokens=prefill_batch_tokens,
+            kv_block_size=kv_block_size,
             min_shared_tokens=min_shared_tokens,
             share_prefixes=share_prefixes,
             decode_first=decode_first,
@@ -83,6 +85,8 @@ class LLMOperator:
 
     def backend(self) -> Backend:
         """The backend, loading the model on first use."""
+        if self._backend is None and self.backend_name == "native":
+            self._backend = self._native_backend()
         if self._backend is None:
             from llm_operator.engine.hf import HFBackend
             from llm_operator.models import load_causal_lm, resolve_device, resolve_dtype
@@ -104,6 +108,33 @@ class LLMOperator:
                 kv_cache_bytes=self.config.kv_cache_bytes or _auto_kv_cache_bytes(device),
             )
         return self._backend
+
+    def _native_backend(self) -> Backend:
+        from llm_operator.engine.hf import eos_token_ids
+        from llm_operator.engine.native.backend import NativeBackend
+        from llm_operator.models import resolve_device, resolve_dtype
+        from llm_operator.models.llama import LlamaModel, native_config
+
+        config = native_config(self.model_config)  # ValueError naming an unsupported model
+        if config.sliding_window is not None and config.sliding_window < self.max_context:
+            raise ValueError(
+                f"backend='native' does not run sliding-window attention (window "
+                f"{config.sliding_window} < context {self.max_context}); use backend='hf'"
+            )
+        device = resolve_device(self.config.device)
+        dtype = resolve_dtype(self.config.dtype, device)
+        model = LlamaModel.from_pretrained(self.model.path, device=device, dtype=dtype)
+        return NativeBackend(
+            model,
+            self.tokenizer,
+            kv_cache_bytes=self.config.kv_cache_bytes or _auto_kv_cache_bytes(device),
+            eos_token_ids=eos_token_ids(model, self.tokenizer),
+            max_context=self.max_context,
+            block_size=self.config.kv_block_size,
+            max_batched_tokens=self.config.prefill_batch_tokens,
+            max_running=self.config.max_batch_size,
+            share_prefixes=self.config.share_prefixes,
+        )
 
     # -- preparation -----------------------------------------------------
     def _prepare(

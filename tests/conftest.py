@@ -8,6 +8,9 @@ in a few seconds, without network access.
 - tiny_llama_dir / tiny_qwen2_dir / tiny_mistral_dir: config.json, model.safetensors (fp32),
   generation_config.json (eos 0) and the tokenizer files. See helpers.tiny_config.
 - tiny_model_dir: parametrized over ("llama", "qwen2", "mistral").
+- tiny_qwen3_dir: Qwen3 (q/k RMSNorm, head_dim 32 != hidden / heads); it is in
+  NATIVE_FAMILIES, not TINY_FAMILIES. native_model_dir: parametrized over NATIVE_FAMILIES.
+- tiny_llama3_rope_dir: the tiny Llama with llama3 rope scaling (helpers.LLAMA3_ROPE_PARAMETERS).
 """
 
 from __future__ import annotations
@@ -28,9 +31,16 @@ TESTS_DIR = str(Path(__file__).resolve().parent)
 if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)  # so tests can `from helpers import ...`
 
-from helpers import TINY_FAMILIES, build_tiny_model, build_tiny_tokenizer  # noqa: E402
+from helpers import (  # noqa: E402
+    LLAMA3_ROPE_PARAMETERS,
+    NATIVE_FAMILIES,
+    TINY_FAMILIES,
+    build_tiny_model,
+    build_tiny_tokenizer,
+)
 
-TINY_MODEL_SEEDS = {"llama": 1234, "qwen2": 2345, "mistral": 3456}
+TINY_MODEL_SEEDS = {"llama": 1234, "qwen2": 2345, "mistral": 3456, "qwen3": 4567}
+LLAMA3_ROPE_SEED = 5678
 
 TINY_CORPUS = (
     "The battery lasts two full days and charges in under an hour.",
@@ -121,9 +131,36 @@ def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_di
     return _build_family("mistral", tmp_path_factory, tiny_tokenizer_dir)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Path:
+    """Tiny random Qwen3ForCausalLM (q/k norm, head_dim 32, untied head) + tokenizer, fp32."""
+    return _build_family("qwen3", tmp_path_factory, tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_rope_dir(
+    tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path
+) -> Path:
+    """Tiny random Llama with llama3 rope scaling (LLAMA3_ROPE_PARAMETERS) + tokenizer, fp32."""
+    output_dir = tmp_path_factory.mktemp("tiny-llama3-rope")
+    return build_tiny_model(
+        output_dir,
+        "llama",
+        tiny_tokenizer_dir,
+        LLAMA3_ROPE_SEED,
+        rope_parameters=LLAMA3_ROPE_PARAMETERS,
+    )
+
+
 @pytest.fixture(scope="session", params=TINY_FAMILIES)
 def tiny_model_dir(request: pytest.FixtureRequest) -> Path:
     """Each tiny model directory in turn: llama, qwen2, mistral."""
+    return request.getfixturevalue(f"tiny_{request.param}_dir")
+
+
+@pytest.fixture(scope="session", params=NATIVE_FAMILIES)
+def native_model_dir(request: pytest.FixtureRequest) -> Path:
+    """Each tiny model directory the native forward supports: llama, qwen2, qwen3, mistral."""
     return request.getfixturevalue(f"tiny_{request.param}_dir")
 
 

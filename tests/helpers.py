@@ -27,6 +27,19 @@ TINY_VOCAB_TARGET = 512
 # instead of near ties that float reordering could flip.
 TINY_INITIALIZER_RANGE = 0.2
 TINY_FAMILIES = ("llama", "qwen2", "mistral")
+# Families the native engine's own forward supports (tests of llm_operator.models.llama).
+NATIVE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+# Llama 3.1-style rope scaling sized for the tiny models (head_dim 16, rope_theta 10000):
+# with an original context of 128 the 8 frequencies fall in all three llama3 regions
+# (kept, smoothed, divided by `factor`).
+LLAMA3_ROPE_PARAMETERS = {
+    "rope_type": "llama3",
+    "rope_theta": 10_000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 128,
+}
 
 
 def build_tiny_tokenizer(output_dir: Path, corpus: Sequence[str]) -> Path:
@@ -83,9 +96,15 @@ def build_tiny_tokenizer(output_dir: Path, corpus: Sequence[str]) -> Path:
     return output_dir
 
 
-def tiny_config(family: str, vocab_size: int, eos_token_id: int):
-    """A tiny config of `family`: hidden 64, 2 layers, 4 heads, 2 kv heads (GQA)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+def tiny_config(
+    family: str, vocab_size: int, eos_token_id: int, *, rope_parameters: dict | None = None
+):
+    """A tiny config of `family`: hidden 64, 2 layers, 4 heads, 2 kv heads (GQA).
+
+    qwen3 has head_dim 32 (not hidden / heads = 16) and an untied head.
+    `rope_parameters` (e.g. LLAMA3_ROPE_PARAMETERS) replaces the default rope.
+    """
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     shared = dict(
         vocab_size=vocab_size,
@@ -100,6 +119,8 @@ def tiny_config(family: str, vocab_size: int, eos_token_id: int):
         eos_token_id=eos_token_id,
         pad_token_id=eos_token_id,
     )
+    if rope_parameters is not None:
+        shared["rope_parameters"] = dict(rope_parameters)
     if family == "llama":
         return LlamaConfig(tie_word_embeddings=True, **shared)
     if family == "qwen2":
@@ -108,16 +129,31 @@ def tiny_config(family: str, vocab_size: int, eos_token_id: int):
         )
     if family == "mistral":
         return MistralConfig(tie_word_embeddings=False, sliding_window=None, **shared)
-    raise ValueError(f"family={family!r} is not one of {TINY_FAMILIES}")
+    if family == "qwen3":
+        return Qwen3Config(
+            head_dim=32,
+            tie_word_embeddings=False,
+            sliding_window=None,
+            use_sliding_window=False,
+            **shared,
+        )
+    raise ValueError(f"family={family!r} is not one of {NATIVE_FAMILIES}")
 
 
-def build_tiny_model(output_dir: Path, family: str, tokenizer_dir: Path, seed: int) -> Path:
+def build_tiny_model(
+    output_dir: Path,
+    family: str,
+    tokenizer_dir: Path,
+    seed: int,
+    *,
+    rope_parameters: dict | None = None,
+) -> Path:
     """Save a randomly initialized tiny `family` model (fp32 safetensors) with the tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     eos_token_id = tokenizer.eos_token_id
-    config = tiny_config(family, len(tokenizer), eos_token_id)
+    config = tiny_config(family, len(tokenizer), eos_token_id, rope_parameters=rope_parameters)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(

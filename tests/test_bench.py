@@ -8,7 +8,7 @@ import pytest
 
 from llm_operator.cli import main
 
-OUR_SYSTEMS = ("hf", "hf-noshare", "hf-nodecodefirst")
+OUR_SYSTEMS = ("hf", "hf-noshare", "hf-nodecodefirst", "native", "native-noshare")
 STATIC_SYSTEMS = ("hf-static", "hf-static-shuffled")
 RECORD_FIELDS = (
     "system",
@@ -66,7 +66,7 @@ def test_quick_run_writes_every_field(quick_report):
     assert report["size"] == "tiny" and report["repeat"] == 2
     names = [w["name"] for w in report["workloads"]]
     assert names == ["etl-fewshot", "doc-qa", "table-rows", "no-sharing"]
-    assert len(report["results"]) == len(names) * 6
+    assert len(report["results"]) == len(names) * (len(STATIC_SYSTEMS) + len(OUR_SYSTEMS) + 1)
     for record in report["results"]:
         if record["system"] == "vllm":
             continue
@@ -105,16 +105,18 @@ def test_prefill_figures_follow_the_plan(quick_report):
         assert workload["min_prefill_tokens"] <= workload["prompt_tokens"]
         for system in (*STATIC_SYSTEMS, *OUR_SYSTEMS):
             assert by[system, name]["prefill_tokens_computed"] >= workload["min_prefill_tokens"]
-        assert by["hf-noshare", name]["prefill_tokens_computed"] == workload["prompt_tokens"]
+        for unshared in ("hf-noshare", "native-noshare"):
+            assert by[unshared, name]["prefill_tokens_computed"] == workload["prompt_tokens"]
         assert by["hf-static", name]["prefill_tokens_computed"] >= workload["prompt_tokens"]
         assert by["hf", name]["speedup_vs_hf_static"] == pytest.approx(
             by["hf-static", name]["seconds"] / by["hf", name]["seconds"]
         )
     for name in ("etl-fewshot", "doc-qa", "table-rows"):
-        assert (
-            by["hf", name]["prefill_tokens_computed"]
-            < 0.8 * by["hf-noshare", name]["prefill_tokens_computed"]
-        ), name
+        for ours in ("hf", "native"):
+            assert (
+                by[ours, name]["prefill_tokens_computed"]
+                < 0.8 * by[f"{ours}-noshare", name]["prefill_tokens_computed"]
+            ), (ours, name)
 
 
 def test_bad_bench_options_are_clear_errors(tiny_llama_dir, capsys, tmp_path):

@@ -56,6 +56,25 @@ SYSTEMS: dict[str, SystemSpec] = {
             {"backend": "hf", "decode_first": False},
         ),
         SystemSpec(
+            "native",
+            "operator",
+            "llm-operator, native backend: paged KV, pinned prefixes, token batching, "
+            "shared-prefix attention",
+            {"backend": "native"},
+        ),
+        SystemSpec(
+            "native-noshare",
+            "operator",
+            "native without global prefix sharing (ablation)",
+            {"backend": "native", "share_prefixes": False},
+        ),
+        SystemSpec(
+            "native-nodecodefirst",
+            "operator",
+            "native without decode-first order (ablation)",
+            {"backend": "native", "decode_first": False},
+        ),
+        SystemSpec(
             "vllm",
             "vllm",
             "vLLM offline, prefix caching on, rows in input order",

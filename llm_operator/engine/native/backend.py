@@ -1,0 +1,240 @@
+"""The ``native`` backend: our Llama-family forward over a paged KV cache (BatchLLM).
+
+One iteration (``_step``) is three calls, nano-vllm style:
+  1. ``scheduler.schedule()``: every running decode, then prefill chunks in plan order,
+     within the token budget (memory-centric token batching, BATON-style insertion);
+  2. ``model(...)``: one token-packed forward over all chunks; per layer the attention
+     stores the new K/V and merges, by log-sum-exp, each row's attention over its own K/V
+     (causal) with one batched call per shared segment over all rows that read it;
+  3. sample the rows that reached their last token, then ``finish`` or ``append_token``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from llm_operator import kernels
+from llm_operator.engine.base import BackendResult, ProgressCallback, RequestOutput
+from llm_operator.engine.native.block_manager import BlockManager
+from llm_operator.engine.native.scheduler import ScheduledChunk, Scheduler
+from llm_operator.engine.stopping import RowDecoder
+from llm_operator.models.llama import LlamaModel
+from llm_operator.planner import Plan
+from llm_operator.sampling import SamplingParams, sample_next_tokens
+
+
+class NativeBackend:
+    """Runs a plan on a ``LlamaModel`` with paged KV, pinned prefixes and token batching."""
+
+    name = "native"
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer,
+        *,
+        kv_cache_bytes: int,
+        eos_token_ids: frozenset[int],
+        max_context: int,
+        block_size: int = 16,
+        max_batched_tokens: int = 1024,
+        max_running: int = 256,
+        decode_reserve: float = 0.5,
+        share_prefixes: bool = True,
+    ) -> None:
+        if block_size < 1 or max_batched_tokens < 1:
+            raise ValueError("block_size and max_batched_tokens must be >= 1")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.kv_cache_bytes = kv_cache_bytes
+        self.eos_token_ids = eos_token_ids
+        self.max_context = max_context
+        self.block_size = block_size
+        self.max_batched_tokens = max_batched_tokens
+        self.max_running = max_running
+        self.decode_reserve = decode_reserve
+        self.share_prefixes = share_prefixes
+        self.last_profile: dict[str, float] = {}
+
+    # -- memory ------------------------------------------------------------------------
+    def bytes_per_block(self) -> int:
+        c = self.config
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * element
+
+    def _num_blocks(self, plan: Plan) -> int:
+        """The budget's blocks, but no more than this plan could ever hold at once."""
+        budget = self.kv_cache_bytes // self.bytes_per_block()
+        need = sum(-(-len(s.token_ids) // self.block_size) for s in plan.segments)
+        need += sum(
+            -(-(len(r.token_ids) + r.max_tokens) // self.block_size) + 1 for r in plan.requests
+        )
+        blocks = min(budget, need)
+        if blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory of {self.kv_cache_bytes} bytes holds no KV block "
+                f"({self.bytes_per_block()} bytes each)"
+            )
+        return blocks
+
+    # -- run ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(
+        self,
+        plan: Plan,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        progress: ProgressCallback | None = None,
+    ) -> BackendResult:
+        num_blocks = self._num_blocks(plan)
+        shape = (num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
+        self.k_cache = [
+            torch.empty(shape, dtype=self.dtype, device=self.device)
+            for _ in range(self.config.num_layers)
+        ]
+        self.v_cache = [torch.empty_like(k) for k in self.k_cache]
+        scheduler = Scheduler(
+            plan,
+            BlockManager(num_blocks, self.block_size),
+            max_batched_tokens=self.max_batched_tokens,
+            max_running=self.max_running,
+            decode_reserve=self.decode_reserve,
+            share_prefixes=self.share_prefixes,
+        )
+        decoders = [
+            RowDecoder(self.tokenizer, p, self.eos_token_ids, len(r.token_ids), self.max_context)
+            for r, p in zip(plan.requests, params)
+        ]
+        outputs: list[RequestOutput | None] = [None] * len(plan.requests)
+        reported = 0
+        self.last_profile = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "iterations": 0}
+        try:
+            while not scheduler.done:
+                self._step(scheduler, plan, params, generators, decoders, outputs, progress)
+                for request_id, message in scheduler.rejected[reported:]:
+                    outputs[request_id] = RequestOutput((), "", "error", message)
+                    if progress is not None:
+                        progress(len(plan.requests[request_id].rows), 0)
+                reported = len(scheduler.rejected)
+        finally:
+            self.k_cache = self.v_cache = []  # the pool lives for one run
+        self.last_profile.update(
+            preemptions=scheduler.stats.preemptions,
+            max_running=scheduler.stats.max_running,
+            num_blocks=num_blocks,
+        )
+        assert all(o is not None for o in outputs), "every request has an output"
+        return BackendResult(
+            outputs,
+            scheduler.stats.prefill_tokens,
+            sum(len(o.token_ids) for o in outputs),
+        )
+
+    def _step(self, scheduler, plan, params, generators, decoders, outputs, progress) -> None:
+        started = time.perf_counter()
+        chunks = scheduler.schedule()
+        batch = self._batch(chunks, scheduler)
+        profile = self.last_profile
+        profile["schedule"] += time.perf_counter() - started
+        started = time.perf_counter()
+        hidden = self.model(batch["input_ids"], batch["positions"], batch["attention"])
+        sampled = [c for c in chunks if c.sample]
+        if sampled:
+            logits = self.model.compute_logits(hidden[batch["last_rows"][: len(sampled)]])
+        profile["forward"] += time.perf_counter() - started
+        started = time.perf_counter()
+        scheduler.complete(chunks)
+        if sampled:
+            ids = [c.seq.ref for c in sampled]
+            tokens = sample_next_tokens(
+                logits, [params[i] for i in ids], [generators[i] for i in ids]
+            ).tolist()
+            for chunk, request_id, token in zip(sampled, ids, tokens):
+                decoder = decoders[request_id]
+                if decoder.append(token):
+                    scheduler.finish(chunk.seq)
+                    outputs[request_id] = RequestOutput(
+                        tuple(decoder.token_ids), decoder.final_text(), decoder.finish_reason
+                    )
+                    if progress is not None:
+                        progress(len(plan.requests[request_id].rows), 1)
+                else:
+                    scheduler.append_token(chunk.seq, token)
+                    if progress is not None:
+                        progress(0, 1)
+        profile["sample"] += time.perf_counter() - started
+        profile["iterations"] += 1
+
+    # -- one iteration's tensors -------------------------------------------------------
+    def _batch(self, chunks: list[ScheduledChunk], scheduler: Scheduler) -> dict:
+        """Token-packed inputs, slots, own block tables and per-segment rows of ``chunks``."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        segment_rows: dict[int, list[int]] = {}
+        # sampled chunks' last rows first (in chunk order), so logits line up with `sampled`
+        last_rows = [0] * len(chunks)
+        sampled_index = 0
+        order = [c for c in chunks if c.sample]
+        last_of = {}
+        for chunk in chunks:
+            seq = chunk.seq
+            begin = len(input_ids)
+            own = range(chunk.start, chunk.start + chunk.length)
+            input_ids.extend(seq.tokens[chunk.start : chunk.start + chunk.length])
+            positions.extend(seq.prefix_length + i for i in own)
+            slots.extend(seq.blocks[i // bs] * bs + i % bs for i in own)
+            query_start.append(len(input_ids))
+            context_lens.append(chunk.start + chunk.length)
+            tables.append(seq.blocks)
+            for segment_id in seq.chain:
+                segment_rows.setdefault(segment_id, []).extend(range(begin, len(input_ids)))
+            last_of[id(chunk)] = len(input_ids) - 1
+        for chunk in order:
+            last_rows[sampled_index] = last_of[id(chunk)]
+            sampled_index += 1
+        width = max(len(t) for t in tables)
+        device = self.device
+        block_tables = torch.tensor(
+            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
+        )
+        segments = [
+            (
+                torch.tensor(rows, dtype=torch.int64, device=device),
+                torch.tensor(scheduler.segment_blocks(s), dtype=torch.int32, device=device),
+                scheduler.segment_length(s),
+            )
+            for s, rows in segment_rows.items()
+        ]
+        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+        starts = torch.tensor(query_start, dtype=torch.int32, device=device)
+        lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+        scale = self.config.scale
+
+        def attention(layer: int, q, k, v):
+            k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+            kernels.store_kv(k_cache, v_cache, k, v, slot_mapping)
+            out, lse = kernels.own_attention(q, k_cache, v_cache, starts, block_tables, lens, scale)
+            for rows, blocks, length in segments:
+                part = kernels.prefix_attention(q[rows], k_cache, v_cache, blocks, length, scale)
+                merged = kernels.merge_attention_states([(out[rows], lse[rows]), part])
+                out[rows] = merged.out
+                lse[rows] = merged.lse
+            return out
+
+        return {
+            "input_ids": torch.tensor(input_ids, dtype=torch.int64, device=device),
+            "positions": torch.tensor(positions, dtype=torch.int64, device=device),
+            "attention": attention,
+            "last_rows": torch.tensor(last_rows, dtype=torch.int64, device=device),
+        }

@@ -1,0 +1,99 @@
+"""PrefixPins: the K/V of shared plan segments, pinned for exactly as long as a member needs them.
+
+BatchLLM keeps a group's prefix K/V resident until the group's last request ends, instead of
+an LRU cache that may evict it while members still wait. Index map:
+
+    pending[segment_id]   requests not yet finished or rejected whose chain holds the segment
+    live[segment_id]      its segment Sequence while pinned (RUNNING, then READY), else None
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Chain
+
+from llm_operator.engine.native.block_manager import BlockManager
+from llm_operator.engine.native.sequence import FINISHED, READY, RUNNING, Sequence
+from llm_operator.planner.plan import Plan
+
+
+class PrefixPins:
+    """Pinned segment sequences and the count of members each still has to serve.
+
+    Contract:
+      - ``pending`` starts at the number of request chains (as the scheduler runs them) that
+        hold the segment and only falls, through ``member_done``; at 0 the segment is released
+        at once: its blocks go back to the pool.
+      - ``pin`` records the sequence of an unpinned segment whose blocks were just allocated;
+        its ancestors are pinned already (they have at least as many pending members).
+      - a READY segment keeps its blocks until released; the only other way out is ``evict``,
+        the scheduler's last resort, for a READY leaf that no running sequence reads.
+    """
+
+    def __init__(self, plan: Plan, blocks: BlockManager, chains: Chain[tuple[int, ...]]) -> None:
+        self.plan, self.blocks = plan, blocks
+        self.need = [blocks.blocks_for(len(segment.token_ids)) for segment in plan.segments]
+        self.pending = [0] * len(plan.segments)
+        for chain in chains:
+            for segment_id in chain:
+                self.pending[segment_id] += 1
+        self.live: list[Sequence | None] = [None] * len(plan.segments)
+
+    def chain_blocks(self, chain: tuple[int, ...], *, missing_only: bool = False) -> int:
+        """Blocks the chain's segments take (``missing_only``: those not pinned yet)."""
+        return sum(
+            self.need[segment_id]
+            for segment_id in chain
+            if not (missing_only and self.live[segment_id] is not None)
+        )
+
+    def is_ready(self, segment_id: int) -> bool:
+        segment_seq = self.live[segment_id]
+        return segment_seq is not None and segment_seq.status == READY
+
+    def ready(self, segment_id: int) -> Sequence:
+        """The READY sequence of a segment (AssertionError otherwise)."""
+        segment_seq = self.live[segment_id]
+        assert segment_seq is not None and segment_seq.status == READY, (
+            f"segment {segment_id} is not READY"
+        )
+        return segment_seq
+
+    def pin(self, segment_seq: Sequence) -> None:
+        segment_id = segment_seq.ref
+        assert self.live[segment_id] is None and self.pending[segment_id] > 0, (
+            f"segment {segment_id} is pinned already or has no member left"
+        )
+        assert len(segment_seq.blocks) == self.need[segment_id], "pin a fully allocated segment"
+        self.live[segment_id] = segment_seq
+
+    def member_done(self, chain: tuple[int, ...]) -> list[Sequence]:
+        """A member finished or was rejected; returns released segments that were RUNNING."""
+        released = []
+        for segment_id in chain:
+            self.pending[segment_id] -= 1
+            assert self.pending[segment_id] >= 0, f"segment {segment_id} released twice"
+            segment_seq = self.live[segment_id]
+            if self.pending[segment_id] == 0 and segment_seq is not None:
+                if segment_seq.status == RUNNING:
+                    released.append(segment_seq)
+                self._release(segment_id)
+        return released
+
+    def evict(self, keep: tuple[int, ...]) -> bool:
+        """Release the youngest READY leaf not in ``keep``; False when there is none."""
+        pinned = [q for q in self.live if q is not None]
+        parents = {self.plan.segments[q.ref].parent_id for q in pinned}
+        leaves = [q for q in pinned if q.ref not in keep and q.ref not in parents]
+        if not leaves:
+            return False
+        victim = max(leaves, key=lambda q: q.arrival)
+        assert victim.status == READY, "only READY segments are evicted"
+        self._release(victim.ref)
+        return True
+
+    def _release(self, segment_id: int) -> None:
+        segment_seq = self.live[segment_id]
+        assert segment_seq is not None
+        self.blocks.free(segment_seq.blocks)
+        segment_seq.blocks, segment_seq.status = [], FINISHED
+        self.live[segment_id] = None

@@ -1,0 +1,423 @@
+"""Scheduler of the native engine: memory-centric token batching over a Plan (pure Python).
+
+BatchLLM (arXiv 2412.03594) with BATON-style (arXiv 2410.18701) insertion. One ``schedule()``
+is one model iteration; its chunks are token-packed in this order:
+
+    [ decodes               | prefill chunks             | work admitted this iteration   ]
+      every running request   running sequences, oldest    waiting work in plan order,
+      1 token, oldest first   first, chunked to the budget segments ahead of their members
+
+Contract with the model runner (see ``Sequence``, ``ScheduledChunk``):
+
+    while not scheduler.done:
+        chunks = scheduler.schedule()     # never empty while not done
+        ...run the model on the chunks, store K/V of own token i in seq.blocks[i // block_size]
+        scheduler.complete(chunks)
+        for chunk in chunks with chunk.sample: scheduler.finish(seq) or append_token(seq, t)
+
+Rules:
+  - Budget: decodes always all run (a running row never stalls); the prefill part is at most
+    ``max_batched_tokens - decodes``. A request starts decoding only after a prefill chunk
+    that fit in the budget, so decodes never outnumber the budget: every iteration holds at
+    most ``max_batched_tokens`` tokens (asserted).
+  - Segments: a segment sequence prefills one plan segment once. It is created ahead of the
+    first request (in plan order) that is admitted with it in its chain, gets all its blocks
+    then, is READY after its last chunk and stays pinned until every request whose chain holds
+    it has finished or been rejected. Request chunks run only once their whole chain is READY.
+    A request whose prompt is entirely shared drops the last chain segment and prefills that
+    segment's tokens itself, so it has an own token to sample from.
+  - Admission is by free blocks: a request is admitted when ``num_free`` minus the blocks that
+    running requests still need for their prompt and reserve covers its new segments plus
+    ``blocks_for(len(tokens) + ceil(decode_reserve * remaining max_tokens))``; with no request
+    running, ``blocks_for(len(tokens) + 1)`` suffices. Own blocks are allocated lazily.
+  - Preemption by recompute: a decode that needs a block when none is free preempts the
+    youngest running request holding blocks (possibly itself); it loses its blocks and
+    ``num_computed``, keeps its tokens and goes to the front of the waiting queue. Segments
+    are never preempted.
+  - Rejection: a request whose chain blocks + ``blocks_for(len(tokens) + 1)`` exceed the pool
+    can never run; it is rejected (``rejected``), which counts as finished.
+  - Progress: when nothing can be scheduled, preempt the youngest running request holding
+    blocks; with nothing running, admit the first waiting request that fits (looking ahead
+    at most ``max_running`` fresh requests into the current group); failing that,
+    evict the youngest READY leaf segment off the head request's chain (no running request
+    reads it; its waiting members recompute it). Only then would a request that fits the
+    pool be stuck behind pins held for others; see ``SchedulerStats.segment_evictions``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from llm_operator.engine.native.block_manager import BlockManager
+from llm_operator.engine.native.prefix_pins import PrefixPins
+from llm_operator.engine.native.sequence import (
+    FINISHED,
+    READY,
+    RUNNING,
+    WAITING,
+    ScheduledChunk,
+    Sequence,
+)
+from llm_operator.planner.plan import Plan
+
+__all__ = ["Scheduler", "SchedulerStats", "ScheduledChunk", "Sequence"]
+
+
+@dataclass
+class SchedulerStats:
+    """Counters of one run (mutable; read them after ``done``)."""
+
+    iterations: int = 0
+    preemptions: int = 0
+    prefill_tokens: int = 0  # own tokens computed by non-decode chunks, recomputes included
+    decode_tokens: int = 0
+    max_running: int = 0  # most requests running at once
+    segment_evictions: int = 0  # last-resort unpinning of segments nobody running reads
+
+
+class Scheduler:
+    """Decides, each iteration, which own tokens of which sequences the model computes."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        blocks: BlockManager,
+        *,
+        max_batched_tokens: int = 2048,
+        max_running: int = 256,
+        decode_reserve: float = 0.5,
+        share_prefixes: bool = True,
+    ) -> None:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a Plan, got {type(plan).__name__}")
+        if not isinstance(blocks, BlockManager):
+            raise TypeError(f"blocks must be a BlockManager, got {type(blocks).__name__}")
+        for name, value in (
+            ("max_batched_tokens", max_batched_tokens),
+            ("max_running", max_running),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value!r}")
+        if isinstance(decode_reserve, bool) or not isinstance(decode_reserve, (int, float)):
+            raise TypeError(f"decode_reserve must be a float, got {decode_reserve!r}")
+        if not (math.isfinite(decode_reserve) and decode_reserve >= 0):
+            raise ValueError(f"decode_reserve must be finite and >= 0, got {decode_reserve!r}")
+        if not isinstance(share_prefixes, bool):
+            raise TypeError(f"share_prefixes must be a bool, got {share_prefixes!r}")
+        self.plan, self.blocks = plan, blocks
+        self.max_batched_tokens, self.max_running = max_batched_tokens, max_running
+        self.decode_reserve, self.share_prefixes = decode_reserve, share_prefixes
+        self.rejected: list[tuple[int, str]] = []
+        self.stats = SchedulerStats()
+        self._chains: list[tuple[int, ...]] = []
+        for request in plan.requests:
+            chain = request.chain if share_prefixes else ()
+            if chain and request.prefix_length == len(request.token_ids):
+                chain = chain[:-1]  # entirely shared prompt: prefill the last segment itself
+            self._chains.append(chain)
+        self._pins = PrefixPins(plan, blocks, self._chains)
+        self._waiting: deque[Sequence] = deque()  # preempted first, then fresh in plan order
+        self._next_request = 0  # plan cursor: requests before it have a Sequence
+        self._running: list[Sequence] = []  # arrival order
+        self._num_running_requests = 0
+        self._num_finished = 0
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+
+    # ------------------------------------------------------------------ runner interface
+
+    @property
+    def done(self) -> bool:
+        """Every plan request finished or rejected."""
+        return self._num_finished + len(self.rejected) == len(self.plan.requests)
+
+    @property
+    def running(self) -> tuple[Sequence, ...]:
+        """Admitted sequences still computing, oldest first (READY segments excluded)."""
+        return tuple(self._running)
+
+    def segment_sequence(self, segment_id: int) -> Sequence | None:
+        """The live Sequence of a segment (RUNNING or READY), None when not pinned."""
+        return self._pins.live[segment_id]
+
+    def segment_blocks(self, segment_id: int) -> list[int]:
+        """Own blocks of a READY segment, in token order."""
+        return list(self._pins.ready(segment_id).blocks)
+
+    def segment_length(self, segment_id: int) -> int:
+        """Own tokens of a READY segment."""
+        return len(self._pins.ready(segment_id).tokens)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """The next iteration's chunks; at least one while not ``done``."""
+        for seq in self._running:
+            assert seq.kind == "segment" or seq.num_computed < len(seq.tokens), (
+                f"request {seq.ref} was sampled but neither append_token nor finish was called"
+            )
+        chunks: list[ScheduledChunk] = []
+        while not self.done:
+            if chunks := self._build_iteration():
+                break
+            if not self.done:  # building may have rejected the last waiting requests
+                self._unstick()
+        assert chunks or self.done, "schedule() found nothing to run while work remains"
+        if chunks:
+            self.stats.iterations += 1
+        return chunks
+
+    def complete(self, chunks: Iterable[ScheduledChunk]) -> None:
+        """The model stored these chunks' K/V: advance ``num_computed``; segments may turn READY."""
+        for chunk in chunks:
+            seq = chunk.seq
+            assert seq.status == RUNNING and chunk.start == seq.num_computed, (
+                f"chunk of {seq.kind} {seq.ref} at {chunk.start} does not continue at "
+                f"{seq.num_computed} (status {seq.status})"
+            )
+            seq.num_computed += chunk.length
+            if chunk.is_decode:
+                self.stats.decode_tokens += 1
+            else:
+                self.stats.prefill_tokens += chunk.length
+            if seq.kind == "segment" and seq.num_computed == len(seq.tokens):
+                seq.status = READY
+                self._running.remove(seq)
+
+    def append_token(self, seq: Sequence, token_id: int) -> None:
+        """Add a sampled token to a request whose own tokens are all computed."""
+        assert seq.kind == "request" and seq.status == RUNNING, f"request {seq.ref} not running"
+        assert seq.num_computed == len(seq.tokens), f"request {seq.ref} was not sampled"
+        seq.tokens.append(int(token_id))
+
+    def finish(self, seq: Sequence) -> None:
+        """A running request is done: free its blocks and unpin segments it was last to need."""
+        assert seq.kind == "request" and seq.status == RUNNING, f"request {seq.ref} not running"
+        self._release_request(seq)
+        self._num_finished += 1
+
+    # ------------------------------------------------------------------ one iteration
+
+    def _build_iteration(self) -> list[ScheduledChunk]:
+        chunks: list[ScheduledChunk] = []
+        scheduled: set[Sequence] = set()
+        for seq in list(self._running):
+            if (
+                seq.status == RUNNING
+                and self._is_decode(seq)
+                and self._decode_block(seq, scheduled)
+            ):
+                chunks.append(ScheduledChunk(seq, seq.num_computed, 1, True))
+                scheduled.add(seq)
+        budget = self.max_batched_tokens - len(chunks)
+        assert budget >= 0, "more running decodes than max_batched_tokens"
+        for seq in list(self._running):
+            if budget <= 0:
+                break
+            if seq not in scheduled and (chunk := self._prefill_chunk(seq, budget)):
+                chunks.append(chunk)
+                budget -= chunk.length
+        while budget > 0 and self._num_running_requests < self.max_running:
+            seq = self._peek_waiting()
+            if seq is None:
+                break
+            if (message := self._never_fits(seq)) is not None:
+                self._reject(seq, message)
+                continue
+            if not self._fits(seq):
+                break
+            for admitted in self._admit(seq):
+                if budget > 0 and (chunk := self._prefill_chunk(admitted, budget)):
+                    chunks.append(chunk)
+                    budget -= chunk.length
+        return chunks
+
+    def _is_decode(self, seq: Sequence) -> bool:
+        return (
+            seq.kind == "request"
+            and seq.num_computed >= seq.prompt_length
+            and len(seq.tokens) - seq.num_computed == 1
+        )
+
+    def _decode_block(self, seq: Sequence, scheduled: set[Sequence]) -> bool:
+        """Cover the decode token with a block, preempting youngest first; False if seq lost."""
+        while self.blocks.blocks_for(seq.num_computed + 1) > len(seq.blocks) + self.blocks.num_free:
+            victim = max(
+                (
+                    r
+                    for r in self._running
+                    if r.kind == "request" and r.blocks and r not in scheduled
+                ),
+                key=lambda r: r.arrival,
+            )
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self._cover(seq, seq.num_computed + 1)
+        return True
+
+    def _prefill_chunk(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
+        """The next chunk of a running sequence, limited by budget and free blocks; no preemption."""
+        if not all(self._pins.is_ready(segment_id) for segment_id in seq.chain):
+            return None
+        start = seq.num_computed
+        length = min(len(seq.tokens) - start, budget)
+        if seq.kind == "request":
+            coverable = (len(seq.blocks) + self.blocks.num_free) * self.blocks.block_size - start
+            length = min(length, coverable)
+            if length > 0:
+                self._cover(seq, start + length)
+        if length <= 0:
+            return None
+        end = start + length
+        return ScheduledChunk(seq, start, length, seq.kind == "request" and end == len(seq.tokens))
+
+    # ------------------------------------------------------------------ admission
+
+    def _peek_waiting(self) -> Sequence | None:
+        if not self._waiting:
+            self._materialize_next()
+        return self._waiting[0] if self._waiting else None
+
+    def _materialize_next(self) -> None:
+        """Append the next plan request (never admitted yet) to the waiting queue."""
+        if self._next_request == len(self.plan.requests):
+            return
+        request = self.plan.requests[self._next_request]
+        chain = self._chains[self._next_request]
+        self._next_request += 1
+        prefix = self.plan.segments[chain[-1]].end if chain else 0
+        tokens = [int(token) for token in request.token_ids[prefix:]]
+        assert tokens, f"request {request.request_id} has no own token to sample from"
+        sequence = Sequence.waiting(
+            next(self._seq_ids),
+            "request",
+            request.request_id,
+            chain,
+            prefix,
+            tokens,
+            request.max_tokens,
+        )
+        self._waiting.append(sequence)
+
+    def _never_fits(self, seq: Sequence) -> str | None:
+        chain_blocks = self._pins.chain_blocks(seq.chain)
+        own_blocks = self.blocks.blocks_for(len(seq.tokens) + 1)
+        if chain_blocks + own_blocks <= self.blocks.num_blocks:
+            return None
+        return (
+            f"request {seq.ref} can never fit the KV cache: its shared prefix needs {chain_blocks} "
+            f"blocks and its {len(seq.tokens)} own tokens ({seq.num_generated} generated) plus one "
+            f"to generate need {own_blocks} blocks of {self.blocks.block_size} tokens; "
+            f"{chain_blocks + own_blocks} > num_blocks={self.blocks.num_blocks}"
+        )
+
+    def _target_blocks(self, seq: Sequence) -> int:
+        remaining = max(0, seq.max_tokens - seq.num_generated)
+        return self.blocks.blocks_for(len(seq.tokens) + math.ceil(self.decode_reserve * remaining))
+
+    def _fits(self, seq: Sequence) -> bool:
+        new_segments = self._pins.chain_blocks(seq.chain, missing_only=True)
+        if self._num_running_requests == 0:
+            least = min(self._target_blocks(seq), self.blocks.blocks_for(len(seq.tokens) + 1))
+            return new_segments + least <= self.blocks.num_free
+        committed = sum(
+            max(0, self._target_blocks(r) - len(r.blocks))
+            for r in self._running
+            if r.kind == "request"
+        )
+        return new_segments + self._target_blocks(seq) + committed <= self.blocks.num_free
+
+    def _admit(self, seq: Sequence) -> list[Sequence]:
+        """Start seq (head of the queue) and, ahead of it, segment sequences for its chain."""
+        assert self._waiting[0] is seq, "only the head of the waiting queue is admitted"
+        self._waiting.popleft()
+        started = []
+        for index, segment_id in enumerate(seq.chain):
+            if self._pins.live[segment_id] is None:
+                segment = self.plan.segments[segment_id]
+                segment_seq = Sequence.waiting(
+                    next(self._seq_ids), "segment", segment_id, seq.chain[:index], segment.start,
+                    list(segment.token_ids), 0,
+                )  # fmt: skip
+                segment_seq.blocks = self.blocks.allocate(self._pins.need[segment_id])
+                self._pins.pin(segment_seq)
+                started.append(segment_seq)
+        started.append(seq)
+        for new in started:
+            new.status, new.arrival = RUNNING, next(self._arrivals)
+            self._running.append(new)
+        self._num_running_requests += 1
+        self.stats.max_running = max(self.stats.max_running, self._num_running_requests)
+        return started
+
+    # ------------------------------------------------------------------ memory and progress
+
+    def _cover(self, seq: Sequence, tokens: int) -> None:
+        missing = self.blocks.blocks_for(tokens) - len(seq.blocks)
+        if missing > 0:
+            seq.blocks.extend(self.blocks.allocate(missing))
+
+    def _preempt(self, seq: Sequence) -> None:
+        assert seq.kind == "request" and seq.status == RUNNING, "only running requests preempt"
+        self._running.remove(seq)
+        self._num_running_requests -= 1
+        self.blocks.free(seq.blocks)
+        seq.blocks, seq.num_computed, seq.status = [], 0, WAITING
+        self._waiting.appendleft(seq)
+        self.stats.preemptions += 1
+
+    def _unstick(self) -> None:
+        """Nothing was schedulable: change state so that the next try schedules something."""
+        requests = [r for r in self._running if r.kind == "request"]
+        holders = [r for r in requests if r.blocks]
+        if holders:
+            self._preempt(max(holders, key=lambda r: r.arrival))
+            return
+        for request in reversed(requests):  # they hold nothing; the oldest ends up in front
+            self._preempt(request)
+        assert not self._running, "a running segment sequence can always be scheduled"
+        head = self._peek_waiting()
+        assert head is not None, "not done, yet nothing runs or waits"
+        self._look_ahead()
+        for candidate in list(self._waiting):
+            if self._never_fits(candidate) is None and self._fits(candidate):
+                self._waiting.remove(candidate)
+                self._waiting.appendleft(candidate)
+                return
+        if (message := self._never_fits(head)) is not None:
+            self._reject(head, message)
+            return
+        evicted = self._pins.evict(keep=head.chain)
+        assert evicted, f"request {head.ref} fits the pool alone, yet no pin can be evicted"
+        self.stats.segment_evictions += 1
+
+    def _look_ahead(self) -> None:
+        """Queue up to ``max_running`` fresh requests of the next group (members of its pins)."""
+        requests = self.plan.requests
+        fresh = sum(1 for seq in self._waiting if seq.arrival == -1)
+        group = requests[self._waiting[-1].ref].group_id
+        while fresh < self.max_running and self._next_request < len(requests):
+            if fresh and requests[self._next_request].group_id != group:
+                break
+            self._materialize_next()
+            group = requests[self._waiting[-1].ref].group_id
+            fresh += 1
+
+    def _reject(self, seq: Sequence, message: str) -> None:
+        self._waiting.remove(seq)
+        self._release_request(seq)
+        self.rejected.append((seq.ref, message))
+
+    def _release_request(self, seq: Sequence) -> None:
+        if seq.status == RUNNING:
+            self._running.remove(seq)
+            self._num_running_requests -= 1
+        self.blocks.free(seq.blocks)
+        seq.blocks, seq.status = [], FINISHED
+        for segment_seq in self._pins.member_done(seq.chain):
+            self._running.remove(segment_seq)

@@ -1,0 +1,63 @@
+"""Sequence and ScheduledChunk: the units of KV work the scheduler hands the model runner.
+
+Positions of a sequence (region map):
+
+    [ chain segments' own tokens, outermost first | own tokens 0 .. len(tokens)-1 ]
+      0 .. prefix_length-1: K/V in each READY       prefix_length + i: K/V of own token i in
+      segment's own blocks (read-only, pinned)     blocks[i // block_size], slot i % block_size
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WAITING = "waiting"  # not admitted, or preempted: holds no blocks
+RUNNING = "running"  # admitted: computing its own tokens (requests: and decoding)
+READY = "ready"  # segment whose K/V are all computed: pinned, readable by its members
+FINISHED = "finished"  # request finished or rejected; segment released or evicted
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One plan segment (prefilled once, then pinned) or one request (prefill, then decode)."""
+
+    seq_id: int
+    kind: str  # "segment" | "request"
+    ref: int  # segment_id or request_id in the plan
+    chain: tuple[int, ...]  # READY segments read (outermost first); a segment: its ancestors
+    prefix_length: int  # tokens covered by chain: the position of own token 0
+    tokens: list[int]  # own tokens: segment tokens, or request suffix + generated so far
+    num_computed: int  # own tokens whose K/V are in the cache
+    blocks: list[int]  # own blocks (a segment's are what its members read)
+    max_tokens: int  # requests: decode budget from the plan; segments: 0
+    arrival: int  # admission order, renewed on re-admission; -1 before the first
+    prompt_length: int  # own prompt tokens; tokens[prompt_length:] were generated
+    status: str = WAITING
+
+    @classmethod
+    def waiting(cls, seq_id: int, kind: str, ref: int, chain: tuple[int, ...], prefix_length: int,
+                tokens: list[int], max_tokens: int) -> Sequence:  # fmt: skip
+        """A new sequence: nothing computed, no blocks, never admitted."""
+        return cls(
+            seq_id, kind, ref, chain, prefix_length, tokens, 0, [], max_tokens, -1, len(tokens)
+        )
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens generated so far (0 for segments)."""
+        return len(self.tokens) - self.prompt_length
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Own tokens ``seq.tokens[start:start+length]`` to compute this iteration."""
+
+    seq: Sequence
+    start: int  # == seq.num_computed when scheduled
+    length: int  # >= 1
+    sample: bool  # a request chunk ending at its last own token: sample the next token
+
+    @property
+    def is_decode(self) -> bool:
+        """One generated token fed back: the decode part of an iteration."""
+        return self.sample and self.length == 1 and self.start >= self.seq.prompt_length

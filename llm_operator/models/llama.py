@@ -1,0 +1,333 @@
+"""The native engine's own forward for Llama-family models: Llama, Qwen2, Qwen3, Mistral.
+
+Token-packed: one forward takes the rows of many requests concatenated ([T]
+input_ids and positions, no padding, no batch axis). The model knows nothing of
+KV caches or pages: each layer hands its rotated q, k and v to the caller's
+`attention` function, which stores K/V and attends however the engine wants.
+
+Numerics follow Hugging Face (RMSNorm in fp32 cast back, rotate_half RoPE with
+cos/sin from fp32, logits in the model dtype then float32). Two changes of layout
+only: q/k/v and gate/up projections are fused into one matmul each at load time.
+
+    family   q/k/v bias  o_proj bias      q/k RMSNorm  sliding window
+    llama    config      config           -            -
+    qwen2    yes         -                -            layer_types (all or none)
+    qwen3    config      config           per head     layer_types (all or none)
+    mistral  -           -                -            config.sliding_window
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from llm_operator.models.rope import (
+    RotaryEmbedding,
+    apply_rotary,
+    rope_inverse_frequencies,
+    rope_type,
+)
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# attention(layer_index, q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim],
+#           v [T, num_kv_heads, head_dim]) -> [T, num_heads, head_dim]; q, k, v contiguous.
+AttentionFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class NativeConfig:
+    """The shape of a Llama-family model, as the native engine needs it.
+
+    sliding_window: None when every layer attends to all earlier tokens; else every
+    layer lets a query at position p see keys at positions > p - sliding_window (HF).
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections have a bias
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    sliding_window: int | None
+    max_position_embeddings: int
+
+    @property
+    def scale(self) -> float:
+        """Softmax scale of q.k: head_dim ** -0.5 (no attention multipliers in these families)."""
+        return self.head_dim**-0.5
+
+
+def native_config(hf_config: Any) -> NativeConfig:
+    """Read a transformers config; ValueError for model types and features the engine lacks."""
+    from transformers.activations import ACT2FN
+
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model_type={model_type!r} is not supported by the native engine; supported model "
+            f"types: {SUPPORTED_MODEL_TYPES} (use backend='hf' for other models)"
+        )
+    rope_type(hf_config)  # raises for unsupported rope types
+    if getattr(hf_config, "mlp_bias", False):
+        raise ValueError(f"model_type={model_type!r} with mlp_bias=True is not supported")
+    if hf_config.hidden_act not in ACT2FN:
+        raise ValueError(f"hidden_act={hf_config.hidden_act!r} is not a transformers activation")
+    num_heads = hf_config.num_attention_heads
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_attention_heads={num_heads} is not a multiple of {num_kv_heads=}")
+    if model_type == "qwen2":
+        attention_bias = True
+    elif model_type == "mistral":
+        attention_bias = False
+    else:
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+    return NativeConfig(
+        model_type=model_type,
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
+        rms_norm_eps=float(hf_config.rms_norm_eps),
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        attention_bias=attention_bias,
+        qk_norm=model_type == "qwen3",
+        sliding_window=_sliding_window(hf_config, model_type),
+        max_position_embeddings=hf_config.max_position_embeddings,
+    )
+
+
+def _sliding_window(hf_config: Any, model_type: str) -> int | None:
+    window = getattr(hf_config, "sliding_window", None)
+    if model_type == "llama" or window is None:
+        return None
+    if model_type == "mistral":
+        return int(window)
+    # qwen2 / qwen3: layers at index >= max_window_layers slide when use_sliding_window.
+    layer_types = set(getattr(hf_config, "layer_types", None) or ["full_attention"])
+    if layer_types == {"full_attention"}:
+        return None
+    if layer_types == {"sliding_attention"}:
+        return int(window)
+    raise ValueError(
+        f"model_type={model_type!r} mixes sliding-window and full-attention layers "
+        f"(layer_types={sorted(layer_types)}); the native engine supports one kind for all layers"
+    )
+
+
+class RMSNorm(nn.Module):
+    """HF's RMSNorm: normalize in fp32, cast back, then scale by the weight."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.eps)).to(dtype)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention block then pre-norm SwiGLU MLP, each with a residual add."""
+
+    def __init__(self, config: NativeConfig, layer_index: int, act_fn: nn.Module) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_index = layer_index
+        hidden, dim, eps = config.hidden_size, config.head_dim, config.rms_norm_eps
+        qkv_size = (config.num_heads + 2 * config.num_kv_heads) * dim
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.qkv_proj = nn.Linear(hidden, qkv_size, bias=config.attention_bias)
+        self.q_norm = RMSNorm(dim, eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(dim, eps) if config.qk_norm else None
+        self.o_proj = nn.Linear(config.num_heads * dim, hidden, bias=_has_o_proj_bias(config))
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.gate_up_proj = nn.Linear(hidden, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, hidden, bias=False)
+        self.act_fn = act_fn
+
+    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, attention: AttentionFn) -> Tensor:
+        # hidden: [T, hidden_size]; cos, sin: [T, head_dim]
+        config = self.config
+        tokens = hidden.shape[0]
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        qkv = self.qkv_proj(self.input_layernorm(hidden))  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(tokens, config.num_heads, config.head_dim)  # [T, heads, dim]
+        k = k.view(tokens, config.num_kv_heads, config.head_dim)  # [T, kv_heads, dim]
+        v = v.reshape(tokens, config.num_kv_heads, config.head_dim).contiguous()
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attention(self.layer_index, q, k, v)  # [T, heads, dim]
+        assert out.shape == q.shape, f"attention returned {tuple(out.shape)}, want {tuple(q.shape)}"
+        hidden = hidden + self.o_proj(out.reshape(tokens, q_size))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
+        return hidden + self.down_proj(self.act_fn(gate) * up)
+
+
+def _has_o_proj_bias(config: NativeConfig) -> bool:
+    return config.attention_bias and config.model_type in ("llama", "qwen3")
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm and LM head of a Llama-family model.
+
+    Build with `from_pretrained`; `forward` returns final-normed hidden states and
+    `compute_logits` projects the rows the caller picks (e.g. each request's last).
+    """
+
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        self.config = config = native_config(hf_config)
+        act_fn = ACT2FN[hf_config.hidden_act]
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, index, act_fn) for index in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.rotary = RotaryEmbedding(*rope_inverse_frequencies(hf_config, config.head_dim))
+
+    @classmethod
+    def from_pretrained(
+        cls, model_dir: str | Path, *, device: torch.device, dtype: torch.dtype
+    ) -> LlamaModel:
+        """Load config.json and the safetensors weights (single file or sharded) of `model_dir`."""
+        from transformers import AutoConfig
+
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise ValueError(f"model_dir={str(model_dir)!r} is not a directory")
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not one of {SUPPORTED_DTYPES}")
+        device = torch.device(device)
+        hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        with torch.device("meta"):
+            model = cls(hf_config)
+        state = _load_weights(model_dir, model.config, device, dtype)
+        model.load_state_dict(state, strict=True, assign=True)
+        model.generation_config = _generation_config(model_dir)
+        return model.to(device=device).eval().requires_grad_(False)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attention: AttentionFn) -> Tensor:
+        """input_ids, positions: [T] int64 -> final-normed hidden states [T, hidden_size]."""
+        assert input_ids.shape == positions.shape and input_ids.dim() == 1, (
+            f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [T]"
+        )
+        hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
+        cos, sin = self.rotary(positions, hidden.dtype)  # [T, head_dim] each
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, attention)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab_size] float32 (matmul in the model dtype)."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(hidden, weight).float()
+
+
+def _generation_config(model_dir: Path):
+    """The directory's generation_config.json (EOS ids), or None when it has none."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model_dir, local_files_only=True)
+    except OSError:
+        return None
+
+
+def _weight_sources(config: NativeConfig) -> dict[str, tuple[str, ...]]:
+    """Our parameter name -> the HF checkpoint tensors it is made of (concatenated on dim 0)."""
+    sources: dict[str, tuple[str, ...]] = {
+        "embed_tokens.weight": ("model.embed_tokens.weight",),
+        "norm.weight": ("model.norm.weight",),
+    }
+    if not config.tie_word_embeddings:
+        sources["lm_head.weight"] = ("lm_head.weight",)
+    for index in range(config.num_layers):
+        hf, ours = f"model.layers.{index}.", f"layers.{index}."
+        attention = hf + "self_attn."
+        suffixes = ["weight"] + (["bias"] if config.attention_bias else [])
+        for suffix in suffixes:
+            sources[ours + "qkv_proj." + suffix] = tuple(
+                f"{attention}{name}_proj.{suffix}" for name in ("q", "k", "v")
+            )
+        sources[ours + "o_proj.weight"] = (attention + "o_proj.weight",)
+        if _has_o_proj_bias(config):
+            sources[ours + "o_proj.bias"] = (attention + "o_proj.bias",)
+        if config.qk_norm:
+            sources[ours + "q_norm.weight"] = (attention + "q_norm.weight",)
+            sources[ours + "k_norm.weight"] = (attention + "k_norm.weight",)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            sources[f"{ours}{norm}.weight"] = (f"{hf}{norm}.weight",)
+        sources[ours + "gate_up_proj.weight"] = (
+            hf + "mlp.gate_proj.weight",
+            hf + "mlp.up_proj.weight",
+        )
+        sources[ours + "down_proj.weight"] = (hf + "mlp.down_proj.weight",)
+    return sources
+
+
+def _load_weights(
+    model_dir: Path, config: NativeConfig, device: torch.device, dtype: torch.dtype
+) -> dict[str, Tensor]:
+    """Read, fuse and convert the weights one parameter at a time (CPU holds one at a time)."""
+    from safetensors import safe_open
+
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.is_file():
+        file_names = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+    elif (model_dir / "model.safetensors").is_file():
+        file_names = ["model.safetensors"]
+    else:
+        raise ValueError(
+            f"model_dir={str(model_dir)!r} has neither model.safetensors nor "
+            f"model.safetensors.index.json"
+        )
+    state: dict[str, Tensor] = {}
+    with ExitStack() as stack:
+        handles = {}
+        for file_name in file_names:
+            handle = stack.enter_context(
+                safe_open(str(model_dir / file_name), framework="pt", device="cpu")
+            )
+            handles.update(dict.fromkeys(handle.keys(), handle))
+        for name, hf_names in _weight_sources(config).items():
+            missing = [hf_name for hf_name in hf_names if hf_name not in handles]
+            if missing:
+                raise ValueError(
+                    f"model_dir={str(model_dir)!r}: the checkpoint lacks {missing} "
+                    f"(model_type={config.model_type!r})"
+                )
+            parts = [handles[hf_name].get_tensor(hf_name) for hf_name in hf_names]
+            tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            state[name] = tensor.to(device=device, dtype=dtype)
+    return state

@@ -1,0 +1,106 @@
+"""Rotary position embedding (RoPE) for the native Llama-family forward, as Hugging Face computes it.
+
+The inverse frequencies and the attention scaling come from transformers itself
+(`ROPE_INIT_FUNCTIONS`; the "default" type is the one-line formula every HF
+Llama-family model uses), so scaled variants follow HF without re-deriving them.
+cos/sin are computed per forward call from the token positions, in fp32, with the
+same arithmetic as HF's rotary embedding, then cast to the activation dtype.
+
+Supported rope types: "default", "linear", "llama3", "yarn" (position independent),
+and "dynamic", which equals the unscaled rope for positions below
+max_position_embeddings (HF rescales only past that length, per batch); the engine
+keeps sequences within max_position_embeddings. "longrope" (switches frequencies by
+sequence length) and per-layer rope parameters raise ValueError.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The config's flat rope dict (transformers 5: `rope_parameters`; older: `rope_scaling`)."""
+    parameters = getattr(hf_config, "rope_parameters", None)
+    if parameters is None:
+        parameters = dict(getattr(hf_config, "rope_scaling", None) or {})
+        parameters.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10_000.0))
+    if any(isinstance(value, dict) for value in parameters.values()):
+        raise ValueError(
+            f"model_type={getattr(hf_config, 'model_type', None)!r}: per-layer rope parameters "
+            f"{sorted(parameters)} are not supported by the native engine"
+        )
+    return dict(parameters)
+
+
+def rope_type(hf_config: Any) -> str:
+    """The config's rope type; ValueError unless it is in SUPPORTED_ROPE_TYPES and rotates all dims."""
+    parameters = rope_parameters(hf_config)
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"model_type={getattr(hf_config, 'model_type', None)!r}: rope_type={kind!r} is not "
+            f"supported by the native engine; supported rope types: {SUPPORTED_ROPE_TYPES}"
+        )
+    partial = parameters.get(
+        "partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)
+    )
+    if partial not in (None, 1.0):
+        raise ValueError(
+            f"partial_rotary_factor={partial!r} is not supported by the native engine (only 1.0)"
+        )
+    return kind
+
+
+def rope_inverse_frequencies(hf_config: Any, head_dim: int) -> tuple[Tensor, float]:
+    """(inv_freq [head_dim // 2] fp32 on CPU, attention_scaling) for this config, as HF computes them."""
+    kind = rope_type(hf_config)
+    with torch.device("cpu"):  # also when the model is being built under torch.device("meta")
+        if kind == "default":
+            base = rope_parameters(hf_config).get("rope_theta") or 10_000.0
+            exponents = torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim
+            return 1.0 / (base**exponents), 1.0
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        # The init functions standardize (mutate) the config's rope dict: give them a copy.
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](
+            copy.deepcopy(hf_config), torch.device("cpu")
+        )
+    assert inv_freq.shape == (head_dim // 2,), (
+        f"rope {kind!r} gave inv_freq of shape {tuple(inv_freq.shape)} for head_dim={head_dim}"
+    )
+    return inv_freq.float(), float(attention_scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for given positions; `inv_freq` is a non-persistent fp32 buffer."""
+
+    def __init__(self, inv_freq: Tensor, attention_scaling: float) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.attention_scaling = attention_scaling
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """positions [T] int64 -> (cos, sin), each [T, head_dim] in `dtype` (computed in fp32)."""
+        frequencies = positions[:, None].float() * self.inv_freq[None, :]  # [T, head_dim / 2]
+        angles = torch.cat((frequencies, frequencies), dim=-1)  # [T, head_dim]
+        cos = angles.cos() * self.attention_scaling
+        sin = angles.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """HF's convention: (x1, x2) -> (-x2, x1) over the two halves of the last dim."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [T, heads, head_dim], cos/sin [T, head_dim] -> rotated x, same shape and dtype."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return (x * cos) + (rotate_half(x) * sin)

@@ -1,0 +1,110 @@
+"""LLMOperator(backend="native") against Hugging Face generate, prompt by prompt (greedy, fp32).
+
+Paged KV with pinned prefix segments, token batching with chunked prefill, shared-prefix
+attention merged by log-sum-exp: none of it may change a single token.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_hf_backend import SYSTEM, _model_with_eos, assert_matches_hf, three_level_prompts
+
+from llm_operator import LLMOperator, SamplingParams
+
+
+def test_multilevel_sharing_matches_hf_generate(native_model_dir):
+    prompts = three_level_prompts()
+    op = LLMOperator(native_model_dir, backend="native")
+    results = op.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    assert_matches_hf(op, native_model_dir, prompts, results, 10, ignore_eos=True)
+    stats = op.last_stats
+    assert stats.backend == "native"
+    # every shared segment prefilled once: exactly the planner's figure
+    assert stats.prefill_tokens_computed == stats.planned_prefill_tokens < stats.prompt_tokens
+
+
+@pytest.mark.parametrize(
+    ("block_size", "budget"),
+    [(4, 8), (4, 7), (16, 5), (3, 64), (32, 4096)],
+    ids=["chunk-on-block-boundary", "chunk-mid-block", "big-block-small-chunk", "odd", "one-shot"],
+)
+def test_block_sizes_and_chunked_prefill_match_hf(tiny_llama_dir, block_size, budget):
+    prompts = three_level_prompts()
+    op = LLMOperator(
+        tiny_llama_dir, backend="native", kv_block_size=block_size, prefill_batch_tokens=budget
+    )
+    results = op.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert_matches_hf(op, tiny_llama_dir, prompts, results, 6, ignore_eos=True)
+
+
+def test_pool_smaller_than_the_group_runs_in_waves_with_preemption(tiny_qwen3_dir):
+    prompts = three_level_prompts()
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    # qwen3 tiny: 2 layers x 2 kv heads x 32 dims x 2 (K, V) x 4 bytes = 1 KiB per token;
+    # 48 blocks of 4 tokens hold about 190 tokens: a few rows at a time
+    op = LLMOperator(
+        tiny_qwen3_dir, backend="native", kv_block_size=4, kv_cache_memory=48 * 4 * 1024
+    )
+    results = op.generate(prompts, params)
+    profile = op.backend().last_profile
+    assert profile["num_blocks"] == 48
+    assert profile["preemptions"] > 0
+    assert profile["max_running"] < len(prompts)
+    assert_matches_hf(op, tiny_qwen3_dir, prompts, results, 12, ignore_eos=True)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_eos_hit_mid_batch(family, request, tmp_path):
+    model_dir = request.getfixturevalue(f"tiny_{family}_dir")
+    prompts = three_level_prompts()[:10]
+    probe = LLMOperator(model_dir, backend="native")
+    outs = probe.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    counts: dict[int, int] = {}
+    for r in outs:
+        for t in set(r.token_ids[1:8]):
+            counts[t] = counts.get(t, 0) + 1
+    eos = max((c, t) for t, c in counts.items() if c < len(prompts))[1]
+    eos_dir = _model_with_eos(model_dir, tmp_path, eos)
+    op = LLMOperator(eos_dir, backend="native", max_batch_size=3, prefill_batch_tokens=16)
+    results = op.generate(prompts, SamplingParams(max_tokens=12))
+    assert {r.finish_reason for r in results} == {"stop", "length"}
+    for r in results:
+        assert (r.finish_reason == "stop") == (r.token_ids[-1] == eos)
+    assert_matches_hf(op, eos_dir, prompts, results, 12)
+
+
+def test_row_that_can_never_fit_is_an_error_row(tiny_llama_dir):
+    # 512 bytes per token, blocks of 4: 12 blocks = 48 tokens of KV in all
+    op = LLMOperator(
+        tiny_llama_dir, backend="native", kv_block_size=4, kv_cache_memory=12 * 4 * 512
+    )
+    prompts = ["Why", SYSTEM * 3, "Great value for the price"]
+    results = op.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert results[1].finish_reason == "error" and "num_blocks" in results[1].error
+    assert_matches_hf(
+        op, tiny_llama_dir, [prompts[0], prompts[2]], [results[0], results[2]], 4, ignore_eos=True
+    )
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny_qwen2_dir):
+    prompts = three_level_prompts()[:6]
+    params = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=5, ignore_eos=True)
+    together = LLMOperator(tiny_qwen2_dir, backend="native").generate(prompts, params)
+    one_by_one = LLMOperator(
+        tiny_qwen2_dir, backend="native", max_batch_size=1, prefill_batch_tokens=8
+    ).generate(prompts[::-1], params)[::-1]
+    assert [r.token_ids for r in one_by_one] == [r.token_ids for r in together]
+
+
+def test_native_refuses_what_it_cannot_run(tiny_llama_dir, tmp_path):
+    import json
+    import shutil
+
+    copy = tmp_path / "windowed"
+    shutil.copytree(tiny_llama_dir, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=8)
+    (copy / "config.json").write_text(json.dumps(config))
+    op = LLMOperator(copy, backend="native")
+    with pytest.raises(ValueError, match="sliding-window"):
+        op.generate(["Why"], SamplingParams(max_tokens=2))
