@@ -95,24 +95,29 @@ def _model_with_eos(model_dir, tmp_path, eos_token_id: int):
     return copy
 
 
-def test_eos_hit_mid_batch(tiny_model_dir, tmp_path):
+def check_eos_hit_mid_batch(model_dir, tmp_path, backend: str, **options) -> None:
+    """Make EOS a token that some rows produce early and others not at all; every row must
+    stop where HF generate stops it."""
     prompts = three_level_prompts()[:10]
-    probe = LLMOperator(tiny_model_dir, backend="hf")
+    probe = LLMOperator(model_dir, backend=backend)
     outs = probe.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
-    # a token that some rows produce early and others not at all: make it EOS
     counts: dict[int, int] = {}
     for r in outs:
         for t in set(r.token_ids[1:8]):
             counts[t] = counts.get(t, 0) + 1
     eos = max((c, t) for t, c in counts.items() if c < len(prompts))[1]
-    model_dir = _model_with_eos(tiny_model_dir, tmp_path, eos)
-    op = LLMOperator(model_dir, backend="hf", max_batch_size=3)
+    eos_dir = _model_with_eos(model_dir, tmp_path, eos)
+    op = LLMOperator(eos_dir, backend=backend, **options)
     results = op.generate(prompts, SamplingParams(max_tokens=12))
     reasons = {r.finish_reason for r in results}
     assert reasons == {"stop", "length"}
     for r in results:
         assert (r.finish_reason == "stop") == (r.token_ids[-1] == eos)
-    assert_matches_hf(op, model_dir, prompts, results, 12)
+    assert_matches_hf(op, eos_dir, prompts, results, 12)
+
+
+def test_eos_hit_mid_batch(tiny_model_dir, tmp_path):
+    check_eos_hit_mid_batch(tiny_model_dir, tmp_path, "hf", max_batch_size=3)
 
 
 def test_stop_strings_match_hf_generate(tiny_mistral_dir):

@@ -7,7 +7,7 @@ attention merged by log-sum-exp: none of it may change a single token.
 from __future__ import annotations
 
 import pytest
-from test_hf_backend import SYSTEM, _model_with_eos, assert_matches_hf, three_level_prompts
+from test_hf_backend import SYSTEM, assert_matches_hf, check_eos_hit_mid_batch, three_level_prompts
 
 from llm_operator import LLMOperator, SamplingParams
 
@@ -56,21 +56,9 @@ def test_pool_smaller_than_the_group_runs_in_waves_with_preemption(tiny_qwen3_di
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_eos_hit_mid_batch(family, request, tmp_path):
     model_dir = request.getfixturevalue(f"tiny_{family}_dir")
-    prompts = three_level_prompts()[:10]
-    probe = LLMOperator(model_dir, backend="native")
-    outs = probe.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
-    counts: dict[int, int] = {}
-    for r in outs:
-        for t in set(r.token_ids[1:8]):
-            counts[t] = counts.get(t, 0) + 1
-    eos = max((c, t) for t, c in counts.items() if c < len(prompts))[1]
-    eos_dir = _model_with_eos(model_dir, tmp_path, eos)
-    op = LLMOperator(eos_dir, backend="native", max_batch_size=3, prefill_batch_tokens=16)
-    results = op.generate(prompts, SamplingParams(max_tokens=12))
-    assert {r.finish_reason for r in results} == {"stop", "length"}
-    for r in results:
-        assert (r.finish_reason == "stop") == (r.token_ids[-1] == eos)
-    assert_matches_hf(op, eos_dir, prompts, results, 12)
+    check_eos_hit_mid_batch(
+        model_dir, tmp_path, "native", max_batch_size=3, prefill_batch_tokens=16
+    )
 
 
 def test_row_that_can_never_fit_is_an_error_row(tiny_llama_dir):

@@ -146,7 +146,7 @@ class NativeBackend:
         hidden = self.model(batch["input_ids"], batch["positions"], batch["attention"])
         sampled = [c for c in chunks if c.sample]
         if sampled:
-            logits = self.model.compute_logits(hidden[batch["last_rows"][: len(sampled)]])
+            logits = self.model.compute_logits(hidden[batch["last_rows"]])
         profile["forward"] += time.perf_counter() - started
         started = time.perf_counter()
         scheduler.complete(chunks)
@@ -182,11 +182,7 @@ class NativeBackend:
         context_lens: list[int] = []
         tables: list[list[int]] = []
         segment_rows: dict[int, list[int]] = {}
-        # sampled chunks' last rows first (in chunk order), so logits line up with `sampled`
-        last_rows = [0] * len(chunks)
-        sampled_index = 0
-        order = [c for c in chunks if c.sample]
-        last_of = {}
+        last_rows: list[int] = []  # the last row of each sampled chunk, in chunk order
         for chunk in chunks:
             seq = chunk.seq
             begin = len(input_ids)
@@ -199,10 +195,8 @@ class NativeBackend:
             tables.append(seq.blocks)
             for segment_id in seq.chain:
                 segment_rows.setdefault(segment_id, []).extend(range(begin, len(input_ids)))
-            last_of[id(chunk)] = len(input_ids) - 1
-        for chunk in order:
-            last_rows[sampled_index] = last_of[id(chunk)]
-            sampled_index += 1
+            if chunk.sample:
+                last_rows.append(len(input_ids) - 1)
         width = max(len(t) for t in tables)
         device = self.device
         block_tables = torch.tensor(
