@@ -30,9 +30,11 @@ host; the Triton launchers will check shapes, strides and dtypes only.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -41,9 +43,14 @@ from torch import Tensor
 __all__ = [
     "MAX_SCORE_ELEMENTS",
     "AttentionOutput",
+    "OwnBatch",
+    "PrefixBatch",
+    "check_launch",
     "merge_attention_states",
     "own_attention",
+    "own_batch",
     "prefix_attention",
+    "prefix_batch",
     "store_kv",
 ]
 
@@ -181,18 +188,32 @@ def _unpack_lse(x: Tensor, rows: int) -> Tensor:
     return x.movedim(0, -2).flatten(-2, -1)
 
 
+# Fused CPU flash attention that also returns the log-sum-exp (a private ATen op; the
+# explicit path below is used where it is missing or the tensors are not on the CPU).
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def _attend(
-    queries: Tensor, keys: Tensor, values: Tensor, scale: float, visible: Tensor | None
+    queries: Tensor, keys: Tensor, values: Tensor, scale: float, bias: Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    """Softmax attention in fp32. queries: [..., rows, dim]; keys, values: [..., keys, dim];
-    visible: bool broadcastable to [..., rows, keys] (True = attend) or None."""
-    scores = torch.matmul(queries * scale, keys.transpose(-1, -2))  # [..., rows, keys]
-    if visible is not None:
-        scores.masked_fill_(~visible, -math.inf)
-    lse = torch.logsumexp(scores, dim=-1)  # [..., rows]
-    # A row that sees no key has lse = -inf: shift it by 0 so its weights are exp(-inf) = 0.
-    shift = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    weights = scores.sub_(shift.unsqueeze(-1)).exp_()
+    """Softmax attention in fp32 per KV head and piece.
+
+    queries: [kv, P, rows, dim]; keys, values: [kv, P, keys, dim], all fp32
+    bias:    [P, 1, rows or 1, keys] fp32, 0 where visible and -inf where masked, or None
+    Returns out [kv, P, rows, dim], lse [kv, P, rows]. Every valid row sees >= 1 key
+    (rows that see none are padding, dropped by the caller).
+    """
+    if _FLASH_CPU is not None and queries.device.type == "cpu":
+        out, lse = _FLASH_CPU(
+            queries.movedim(0, 1), keys.movedim(0, 1), values.movedim(0, 1),
+            attn_mask=bias, scale=scale,
+        )  # fmt: skip
+        return out.movedim(1, 0), lse.movedim(1, 0)
+    scores = torch.matmul(queries * scale, keys.transpose(-1, -2))  # [kv, P, rows, keys]
+    if bias is not None:
+        scores += bias.movedim(1, 0)
+    lse = torch.logsumexp(scores, dim=-1)  # [kv, P, rows]
+    weights = scores.sub_(lse.unsqueeze(-1)).exp_()
     return torch.matmul(weights, values), lse
 
 
@@ -233,219 +254,442 @@ def store_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
     v_cache[block_ids, offsets] = v
 
 
-def prefix_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_table: Tensor,
-    prefix_len: int,
-    scale: float,
-) -> AttentionOutput:
-    """All query rows of the requests sharing one prefix segment against its K/V, non-causal.
+# ---------------------------------------------------------------- batches (built once per step)
 
-    q:           [T, num_heads, head_dim], decode rows and prefill chunks alike; every
-                 row sees all prefix_len tokens
-    k_cache,
-    v_cache:     [num_blocks, block_size, num_kv_heads, head_dim], q's dtype and device
-    block_table: [num_segment_blocks] int32/int64, the segment's blocks in order; the
-                 first ceil(prefix_len / block_size) are read (the last may be partly
-                 filled), any further entries are ignored
-    prefix_len:  tokens in the segment, >= 0 (0 gives out = 0, lse = -inf)
-    Returns AttentionOutput(out [T, num_heads, head_dim] q.dtype, lse [T, num_heads] fp32).
 
-    GQA: the query heads of one KV head are packed into the row dimension
-    (q -> [num_kv_heads, T * group, head_dim]), so the prefix K/V is read once for
-    all rows of all requests, one matrix-matrix product per KV head.
+@dataclass(eq=False)
+class OwnBatch:
+    """One step's own-attention layout, validated once by ``own_batch``, reused by every layer.
+
+    Request b owns q rows ``query_start[b]:query_start[b + 1]`` (n_b rows, possibly 0) and
+    the own K/V at its blocks ``block_tables[b]``; after this step it holds
+    ``context_lens[b]`` own tokens, and its row j sits at own position
+    ``context_lens[b] - n_b + j`` (causal: it sees own positions 0 .. that one).
     """
-    num_blocks, block_size, num_kv_heads, _ = _check_kv_cache(k_cache, v_cache)
-    _check_query(q, k_cache)
-    _check_index("block_table", block_table, 1, "[num_segment_blocks]", q.device)
-    if isinstance(prefix_len, bool) or not isinstance(prefix_len, numbers.Integral):
-        raise TypeError(f"prefix_len must be an int, got {type(prefix_len).__name__}")
-    if prefix_len < 0:
-        raise ValueError(f"prefix_len must be >= 0, got {prefix_len}")
-    scale = _check_scale(scale)
-    blocks_needed = -(-prefix_len // block_size)
-    if blocks_needed > block_table.shape[0]:
-        raise ValueError(
-            f"prefix_len {prefix_len} needs {blocks_needed} blocks of {block_size} tokens "
-            f"but block_table has {block_table.shape[0]}"
-        )
-    blocks = block_table[:blocks_needed].long()
-    _check_range("block_table", blocks, num_blocks)
 
-    num_rows, num_heads, _ = q.shape
-    out = torch.zeros_like(q)  # [T, num_heads, head_dim]
-    lse = torch.full((num_rows, num_heads), -math.inf, dtype=torch.float32, device=q.device)
-    if prefix_len == 0 or num_rows == 0:
-        return AttentionOutput(out, lse)
-    position = torch.arange(prefix_len, device=q.device)  # [L]
-    slots = blocks[position // block_size] * block_size + position % block_size  # [L]
-    # keys, values: [num_kv_heads, prefix_len, head_dim] fp32, gathered once for every row
-    keys, values = _gather_slots(k_cache, slots), _gather_slots(v_cache, slots)
-    tile_rows = max(1, MAX_SCORE_ELEMENTS // (num_heads * prefix_len))
-    for start in range(0, num_rows, tile_rows):
-        rows = min(tile_rows, num_rows - start)
-        packed = _pack_heads(q[start : start + rows], num_kv_heads)  # [kv, rows * group, dim]
-        tile_out, tile_lse = _attend(packed, keys, values, scale, None)
-        out[start : start + rows] = _unpack_out(tile_out, rows).to(q.dtype)
-        lse[start : start + rows] = _unpack_lse(tile_lse, rows)
-    return AttentionOutput(out, lse)
+    query_start: Tensor  # [B + 1] int32, cumulative, query_start[B] = num_rows
+    block_tables: Tensor  # [B, max_blocks] int32, padded with 0 past the used blocks
+    context_lens: Tensor  # [B] int32
+    num_rows: int  # T, rows of q
+    block_size: int  # of the cache this batch was validated for
+    num_blocks: int
+    max_query_rows: int  # max n_b (for launch grids)
+    max_context_len: int  # max context_lens[b]
+    host_query_start: tuple[int, ...]
+    host_context_lens: tuple[int, ...]
+    # Per-implementation launch data derived on first use and reused by later layers.
+    derived: dict = field(default_factory=dict, repr=False)
 
 
-class _Piece(NamedTuple):
-    """Consecutive query rows of one request; its last row sees key_len own keys."""
+@dataclass(eq=False)
+class PrefixBatch:
+    """One step's rows against shared prefix segments (one level of the segment chains),
+    validated once by ``prefix_batch``; each q row reads at most one segment of the batch.
 
-    request: int
-    first_row: int  # index into q
-    rows: int
-    key_len: int
-
-
-def _plan_pieces(
-    starts: list[int], context_lens: list[int], num_heads: int, kv_elements: int
-) -> list[list[_Piece]]:
-    """Cut requests into row tiles, then group tiles of similar shape under the budget.
-
-    Tiles are bucketed by rows.bit_length() (padding wastes < 2x rows) and sorted by key
-    length within a bucket; kv_elements = 2 * num_kv_heads * head_dim per key.
+    Segment s is read by q rows ``rows[row_start[s]:row_start[s + 1]]`` (decode rows and
+    prefill chunks of every request sharing it), non-causally: each of them sees all
+    ``lengths[s]`` tokens at the blocks ``block_tables[s]``.
     """
-    longest = max(context_lens, default=0)
-    tile_rows = max(1, (MAX_SCORE_ELEMENTS // max(1, longest) - kv_elements) // num_heads)
-    pieces = []
-    for request, context_len in enumerate(context_lens):
-        first, count = starts[request], starts[request + 1] - starts[request]
-        for offset in range(0, count, tile_rows):
-            rows = min(tile_rows, count - offset)
-            key_len = context_len - count + offset + rows
-            pieces.append(_Piece(request, first + offset, rows, key_len))
-    pieces.sort(key=lambda piece: (piece.rows.bit_length(), piece.key_len))
-    groups: list[list[_Piece]] = []
-    max_rows = 0
-    for piece in pieces:
-        if groups and groups[-1][-1].rows.bit_length() == piece.rows.bit_length():
-            rows = max(max_rows, piece.rows)
-            cost = (len(groups[-1]) + 1) * piece.key_len * (num_heads * rows + kv_elements)
-            if cost <= MAX_SCORE_ELEMENTS:
-                groups[-1].append(piece)
-                max_rows = rows
-                continue
-        groups.append([piece])
-        max_rows = piece.rows
-    return groups
+
+    rows: Tensor  # [N] int64, q row indices grouped by segment, each row at most once
+    row_start: Tensor  # [S + 1] int32, cumulative, row_start[S] = N
+    block_tables: Tensor  # [S, max_blocks] int32, padded with 0 past the used blocks
+    lengths: Tensor  # [S] int32, tokens in each segment (>= 0)
+    num_rows: int  # T, rows of q (rows in no segment get out 0, lse -inf)
+    block_size: int
+    num_blocks: int
+    max_segment_rows: int  # max rows of one segment (for launch grids)
+    max_length: int  # longest segment
+    host_rows: tuple[int, ...]
+    host_row_start: tuple[int, ...]
+    host_lengths: tuple[int, ...]
+    derived: dict = field(default_factory=dict, repr=False)
 
 
-def _own_group(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    pieces: list[_Piece],
-    scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Attention of a group of pieces, padded to its largest; returns the valid rows' q
-    indices [N], out [N, num_heads, head_dim] (q.dtype) and lse [N, num_heads] fp32."""
-    device, block_size, num_kv_heads = q.device, k_cache.shape[1], k_cache.shape[2]
-
-    def column(field: str) -> Tensor:
-        return torch.tensor([getattr(p, field) for p in pieces], dtype=torch.long, device=device)
-
-    request, first_row, rows, key_len = (column(f) for f in _Piece._fields)  # [P] each
-    max_rows, max_keys = int(rows.max()), int(key_len.max())
-    row = torch.arange(max_rows, device=device)  # [R]
-    key = torch.arange(max_keys, device=device)  # [L]
-    row_valid = row < rows[:, None]  # [P, R]
-    row_index = torch.where(row_valid, first_row[:, None] + row, 0)  # [P, R]
-    # Padding keys (past key_len) read own position 0 instead: a written, finite token
-    # whose score the mask drops. Stale slots (even NaN) and table padding are never read.
-    key_position = torch.where(key < key_len[:, None], key, 0)  # [P, L]
-    table = block_tables[request].long()  # [P, max_blocks]
-    block_ids = table.gather(1, key_position // block_size)  # [P, L]
-    slots = block_ids * block_size + key_position % block_size  # [P, L]
-    keys, values = _gather_slots(k_cache, slots), _gather_slots(v_cache, slots)  # [kv, P, L, dim]
-    # Causal: row i of a piece sits at own position key_len - rows + i.
-    position = key_len[:, None] - rows[:, None] + row  # [P, R]
-    visible = (key <= position[:, :, None]) & row_valid[:, :, None]  # [P, R, L]
-    group = q.shape[1] // num_kv_heads
-    visible = visible.repeat_interleave(group, dim=1)  # [P, R * group, L]
-    packed = _pack_heads(q[row_index], num_kv_heads)  # [kv, P, R * group, dim]
-    out, lse = _attend(packed, keys, values, scale, visible)
-    out, lse = _unpack_out(out, max_rows), _unpack_lse(lse, max_rows)  # [P, R, heads, (dim)]
-    return row_index[row_valid], out[row_valid].to(q.dtype), lse[row_valid]
+def _int_list(name: str, value: object, ndim: int) -> list:
+    """A host copy of integer indices given as a tensor or nested sequences of ints."""
+    if isinstance(value, Tensor):
+        if value.dtype not in INDEX_DTYPES:
+            raise TypeError(f"{name} must be int32 or int64, got {value.dtype}")
+        if value.dim() != ndim:
+            raise ValueError(
+                f"{name} must have {ndim} dimension(s), got shape {tuple(value.shape)}"
+            )
+        return value.tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a sequence of ints or an int tensor, got {value!r:.60}")
+    items = list(value)
+    if ndim == 1:
+        for item in items:
+            if isinstance(item, bool) or not isinstance(item, numbers.Integral):
+                raise TypeError(f"{name} must hold ints, got {item!r:.40}")
+        return [int(item) for item in items]
+    return [_int_list(f"{name}[{i}]", item, ndim - 1) for i, item in enumerate(items)]
 
 
-def own_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    query_start: Tensor,
-    block_tables: Tensor,
-    context_lens: Tensor,
-    scale: float,
-) -> AttentionOutput:
-    """Each request's query rows against its own paged K/V, causal, variable length.
+def _check_count(name: str, value: object, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
 
-    q:            [T, num_heads, head_dim]; request b owns rows
-                  query_start[b]:query_start[b + 1] (n_b rows, possibly 0)
-    k_cache,
-    v_cache:      [num_blocks, block_size, num_kv_heads, head_dim], q's dtype and device,
-                  already holding this step's new tokens (store_kv)
-    query_start:  [B + 1] int32/int64, cumulative: query_start[0] = 0, query_start[B] = T
-    block_tables: [B, max_blocks] int32/int64, request b's own blocks in order; entries
-                  past its ceil(context_lens[b] / block_size) used blocks may hold any value
-    context_lens: [B] int32/int64, own K/V length after this step, n_b <= it <=
-                  max_blocks * block_size
-    Returns AttentionOutput(out [T, num_heads, head_dim] q.dtype, lse [T, num_heads] fp32).
 
-    Row j of request b sits at own position context_lens[b] - n_b + j and attends own
-    positions 0 .. that position. Requests are cut into row tiles and batched in groups
-    of similar shape (padded, masked), so decode rows run together in one step.
+def _check_blocks(name: str, blocks: list[int], length: int, block_size: int, num_blocks: int):
+    needed = -(-length // block_size)
+    if needed > len(blocks):
+        raise ValueError(
+            f"{name}: {length} tokens need {needed} blocks of {block_size} but it has {len(blocks)}"
+        )
+    for block in blocks[:needed]:
+        if not 0 <= block < num_blocks:
+            raise ValueError(f"{name} values must lie in [0, {num_blocks}), got {block}")
+    return blocks[:needed]
+
+
+def _table(rows: list[list[int]], device) -> Tensor:
+    width = max((len(row) for row in rows), default=0)
+    padded = [row + [0] * (width - len(row)) for row in rows]
+    return torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(rows), width)
+
+
+def own_batch(
+    query_start: Sequence[int] | Tensor,
+    block_tables: Sequence[Sequence[int]] | Tensor,
+    context_lens: Sequence[int] | Tensor,
+    *,
+    block_size: int,
+    num_blocks: int,
+    device: torch.device | str = "cpu",
+) -> OwnBatch:
+    """Validate one step's own-attention layout on the host and put it on ``device``.
+
+    query_start:  B + 1 cumulative row counts from 0
+    block_tables: B rows of block ids (entries past a request's used blocks are ignored)
+    context_lens: B own lengths after this step, each >= the request's rows
+    block_size, num_blocks: the cache's (block ids must lie in [0, num_blocks))
     """
-    num_blocks, block_size, num_kv_heads, head_dim = _check_kv_cache(k_cache, v_cache)
-    _check_query(q, k_cache)
-    device = q.device
-    _check_index("block_tables", block_tables, 2, "[num_requests, max_blocks]", device)
-    num_requests, max_blocks = block_tables.shape
-    _check_index("query_start", query_start, 1, "[num_requests + 1]", device)
-    _check_index("context_lens", context_lens, 1, "[num_requests]", device)
-    if query_start.shape[0] != num_requests + 1:
+    block_size = _check_count("block_size", block_size, 1)
+    num_blocks = _check_count("num_blocks", num_blocks, 0)
+    starts = _int_list("query_start", query_start, 1)
+    tables = _int_list("block_tables", block_tables, 2)
+    lengths = _int_list("context_lens", context_lens, 1)
+    if len(starts) != len(tables) + 1:
         raise ValueError(
-            f"query_start must have num_requests + 1 = {num_requests + 1} entries "
-            f"(block_tables has {num_requests} rows), got {query_start.shape[0]}"
+            f"query_start must have num_requests + 1 = {len(tables) + 1} entries "
+            f"(block_tables has {len(tables)} rows), got {len(starts)}"
         )
-    if context_lens.shape[0] != num_requests:
+    if len(lengths) != len(tables):
         raise ValueError(
-            f"context_lens must have num_requests = {num_requests} entries "
-            f"(block_tables has {num_requests} rows), got {context_lens.shape[0]}"
+            f"context_lens must have num_requests = {len(tables)} entries "
+            f"(block_tables has {len(tables)} rows), got {len(lengths)}"
         )
-    scale = _check_scale(scale)
-    starts, lengths = query_start.tolist(), context_lens.tolist()
-    num_rows, num_heads, _ = q.shape
-    if starts[0] != 0 or starts[-1] != num_rows:
-        raise ValueError(
-            f"query_start must run from 0 to q's {num_rows} rows, got {starts[0]} .. {starts[-1]}"
-        )
+    if starts[0] != 0:
+        raise ValueError(f"query_start must run from 0, got {starts[0]}")
     counts = [end - start for start, end in zip(starts, starts[1:])]
     if min(counts, default=0) < 0:
         raise ValueError(f"query_start must be non-decreasing, got {starts}")
-    for request, (count, length) in enumerate(zip(counts, lengths)):
-        if not count <= length <= max_blocks * block_size:
-            raise ValueError(
-                f"context_lens[{request}] = {length} must be >= its {count} query rows and "
-                f"<= max_blocks * block_size = {max_blocks * block_size}"
-            )
-    blocks_used = (context_lens.long() + block_size - 1) // block_size  # [B]
-    used = torch.arange(max_blocks, device=device) < blocks_used[:, None]  # [B, max_blocks]
-    _check_range("block_tables (used entries)", block_tables[used], num_blocks)
+    used = []
+    for b, (count, length, table) in enumerate(zip(counts, lengths, tables)):
+        if length < count:
+            raise ValueError(f"context_lens[{b}] = {length} must be >= its {count} query rows")
+        used.append(_check_blocks(f"block_tables[{b}]", table, length, block_size, num_blocks))
+    return OwnBatch(
+        query_start=torch.tensor(starts, dtype=torch.int32, device=device),
+        block_tables=_table(used, device),
+        context_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+        num_rows=starts[-1],
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_query_rows=max(counts, default=0),
+        max_context_len=max(lengths, default=0),
+        host_query_start=tuple(starts),
+        host_context_lens=tuple(lengths),
+    )
 
+
+def prefix_batch(
+    segment_rows: Sequence[Sequence[int]],
+    segment_blocks: Sequence[Sequence[int]] | Tensor,
+    lengths: Sequence[int] | Tensor,
+    *,
+    num_rows: int,
+    block_size: int,
+    num_blocks: int,
+    device: torch.device | str = "cpu",
+) -> PrefixBatch:
+    """Validate one level of shared segments on the host and put it on ``device``.
+
+    segment_rows:   per segment, the q rows that read it (each row in at most one segment)
+    segment_blocks: per segment, its blocks in order (the last may be partly filled;
+                    entries past ceil(length / block_size) are ignored)
+    lengths:        per segment, its tokens (>= 0; 0 contributes nothing)
+    num_rows:       T, rows of the q this batch will be used with
+    """
+    num_rows = _check_count("num_rows", num_rows, 0)
+    block_size = _check_count("block_size", block_size, 1)
+    num_blocks = _check_count("num_blocks", num_blocks, 0)
+    row_lists = _int_list("segment_rows", segment_rows, 2)
+    tables = _int_list("segment_blocks", segment_blocks, 2)
+    sizes = _int_list("lengths", lengths, 1)
+    if not len(row_lists) == len(tables) == len(sizes):
+        raise ValueError(
+            f"segment_rows, segment_blocks and lengths must have one entry per segment, got "
+            f"{len(row_lists)}, {len(tables)} and {len(sizes)}"
+        )
+    seen: set[int] = set()
+    used = []
+    for s, (rows, table, length) in enumerate(zip(row_lists, tables, sizes)):
+        if length < 0:
+            raise ValueError(f"lengths[{s}] must be >= 0, got {length}")
+        for row in rows:
+            if not 0 <= row < num_rows:
+                raise ValueError(f"segment_rows[{s}] values must lie in [0, {num_rows}), got {row}")
+            if row in seen:
+                raise ValueError(f"q row {row} is in two segments of one batch (segment {s})")
+            seen.add(row)
+        used.append(_check_blocks(f"segment_blocks[{s}]", table, length, block_size, num_blocks))
+    flat = [row for rows in row_lists for row in rows]
+    starts = list(itertools.accumulate((len(rows) for rows in row_lists), initial=0))
+    return PrefixBatch(
+        rows=torch.tensor(flat, dtype=torch.int64, device=device),
+        row_start=torch.tensor(starts, dtype=torch.int32, device=device),
+        block_tables=_table(used, device),
+        lengths=torch.tensor(sizes, dtype=torch.int32, device=device),
+        num_rows=num_rows,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_segment_rows=max((len(rows) for rows in row_lists), default=0),
+        max_length=max(sizes, default=0),
+        host_rows=tuple(flat),
+        host_row_start=tuple(starts),
+        host_lengths=tuple(sizes),
+    )
+
+
+def check_launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, batch, kind: type) -> int:
+    """Shape, dtype and device checks shared by every implementation (no host sync).
+    Returns the GQA group size."""
+    if not isinstance(batch, kind):
+        raise TypeError(f"batch must be a {kind.__name__}, got {type(batch).__name__}")
+    num_blocks, block_size, _, _ = _check_kv_cache(k_cache, v_cache)
+    group = _check_query(q, k_cache)
+    if (num_blocks, block_size) != (batch.num_blocks, batch.block_size):
+        raise ValueError(
+            f"the cache has {num_blocks} blocks of {block_size} but the batch was built for "
+            f"{batch.num_blocks} blocks of {batch.block_size}"
+        )
+    if q.shape[0] != batch.num_rows:
+        raise ValueError(f"q has {q.shape[0]} rows but the batch was built for {batch.num_rows}")
+    batch_device = batch.block_tables.device
+    if batch_device != q.device:
+        raise ValueError(f"the batch is on {batch_device} but q on {q.device}")
+    return group
+
+
+# ---------------------------------------------------------------- padded groups
+
+
+class _Piece(NamedTuple):
+    """Query rows of one request or segment; the last row sees key_len keys."""
+
+    table: int  # row of the batch's block_tables
+    rows: tuple[int, ...]  # q row indices
+    key_len: int
+
+
+class _Group(NamedTuple):
+    """Pieces padded to one shape, batched in one matmul (indices computed once per step)."""
+
+    row_index: Tensor  # [P, R] q rows (padding reads row 0)
+    row_valid: Tensor  # [P, R] bool
+    rows: Tensor  # [N] the valid rows' q indices, in row_index[row_valid] order
+    slots: Tensor  # [P, L] cache slots (padding keys read a written slot of the piece)
+    bias: Tensor | None  # [P, 1, R * group or 1, L] fp32: 0 visible, -inf masked; None: none
+
+
+def _group_pieces(pieces: list[_Piece], num_heads: int, kv_elements: int) -> list[list[_Piece]]:
+    """Group pieces of similar shape under the work budget.
+
+    Pieces are bucketed by len(rows).bit_length() (padding wastes < 2x rows) and sorted
+    by key length; a group starts anew where keys would be padded more than 2x.
+    kv_elements = 2 * num_kv_heads * head_dim per key.
+    """
+    pieces = sorted(pieces, key=lambda p: (len(p.rows).bit_length(), p.key_len))
+    groups: list[list[_Piece]] = []
+    max_rows = 0
+    for piece in pieces:
+        rows = len(piece.rows)
+        if groups:
+            first = groups[-1][0]
+            if len(first.rows).bit_length() == rows.bit_length() and (
+                piece.key_len <= 2 * max(first.key_len, 8)
+            ):
+                widest = max(max_rows, rows)
+                cost = (len(groups[-1]) + 1) * piece.key_len * (num_heads * widest + kv_elements)
+                if cost <= MAX_SCORE_ELEMENTS:
+                    groups[-1].append(piece)
+                    max_rows = widest
+                    continue
+        groups.append([piece])
+        max_rows = rows
+    return groups
+
+
+def _pad_group(
+    pieces: list[_Piece], block_tables: Tensor, block_size: int, causal: bool, group: int
+) -> _Group:
+    device = block_tables.device
+
+    def column(values) -> Tensor:
+        return torch.tensor(list(values), dtype=torch.long, device=device)
+
+    counts = column(len(p.rows) for p in pieces)  # [P]
+    key_len = column(p.key_len for p in pieces)  # [P]
+    max_rows, max_keys = int(counts.max()), int(key_len.max())
+    row_lists = [list(p.rows) + [0] * (max_rows - len(p.rows)) for p in pieces]
+    row_index = torch.tensor(row_lists, dtype=torch.long, device=device)  # [P, R]
+    row = torch.arange(max_rows, device=device)  # [R]
+    key = torch.arange(max_keys, device=device)  # [L]
+    row_valid = row < counts[:, None]  # [P, R]
+    # Padding keys (past key_len) read position 0 instead: a written, finite token
+    # whose score the mask drops. Stale slots (even NaN) and table padding are never read.
+    key_position = torch.where(key < key_len[:, None], key, 0)  # [P, L]
+    table = block_tables[column(p.table for p in pieces)].long()  # [P, max_blocks]
+    block_ids = table.gather(1, key_position // block_size)  # [P, L]
+    slots = block_ids * block_size + key_position % block_size  # [P, L]
+    if causal:
+        # Row i of a piece sits at position key_len - rows + i.
+        position = key_len[:, None] - counts[:, None] + row  # [P, R]
+        hidden = key > position[:, :, None]  # [P, R, L]
+        hidden = hidden.repeat_interleave(group, dim=1)  # [P, R * group, L]
+    elif bool((key_len < max_keys).any()):
+        hidden = (key >= key_len[:, None])[:, None, :]  # [P, 1, L]
+    else:
+        hidden = None
+    bias = None
+    if hidden is not None:
+        zeros = torch.zeros(hidden.shape, dtype=torch.float32, device=device)
+        bias = zeros.masked_fill_(hidden, -math.inf).unsqueeze(1)
+    return _Group(row_index, row_valid, row_index[row_valid], slots, bias)
+
+
+def _run_groups(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, groups: list[_Group], scale: float
+) -> AttentionOutput:
+    num_rows, num_heads, _ = q.shape
+    num_kv_heads = k_cache.shape[2]
     out = torch.zeros_like(q)  # [T, num_heads, head_dim]
-    lse = torch.full((num_rows, num_heads), -math.inf, dtype=torch.float32, device=device)
-    kv_elements = 2 * num_kv_heads * head_dim
-    for pieces in _plan_pieces(starts, lengths, num_heads, kv_elements):
-        rows, group_out, group_lse = _own_group(q, k_cache, v_cache, block_tables, pieces, scale)
-        out[rows] = group_out
-        lse[rows] = group_lse
+    lse = torch.full((num_rows, num_heads), -math.inf, dtype=torch.float32, device=q.device)
+    for g in groups:
+        max_rows = g.row_index.shape[1]
+        keys = _gather_slots(k_cache, g.slots)  # [kv, P, L, dim] fp32
+        values = _gather_slots(v_cache, g.slots)
+        packed = _pack_heads(q[g.row_index], num_kv_heads)  # [kv, P, R * group, dim]
+        group_out, group_lse = _attend(packed, keys, values, scale, g.bias)
+        group_out = _unpack_out(group_out, max_rows)  # [P, R, heads, dim]
+        group_lse = _unpack_lse(group_lse, max_rows)  # [P, R, heads]
+        out[g.rows] = group_out[g.row_valid].to(q.dtype)
+        lse[g.rows] = group_lse[g.row_valid]
     return AttentionOutput(out, lse)
+
+
+def _tile_rows(longest: int, num_heads: int, kv_elements: int) -> int:
+    return max(1, (MAX_SCORE_ELEMENTS // max(1, longest) - kv_elements) // num_heads)
+
+
+def _own_groups(batch: OwnBatch, num_heads: int, num_kv_heads: int, head_dim: int):
+    key = ("reference", num_heads, num_kv_heads, head_dim)
+    if key not in batch.derived:
+        kv_elements = 2 * num_kv_heads * head_dim
+        tile = _tile_rows(batch.max_context_len, num_heads, kv_elements)
+        starts, lengths = batch.host_query_start, batch.host_context_lens
+        pieces = []
+        for b, length in enumerate(lengths):
+            first, count = starts[b], starts[b + 1] - starts[b]
+            for offset in range(0, count, tile):
+                rows = min(tile, count - offset)
+                key_len = length - count + offset + rows
+                pieces.append(
+                    _Piece(b, tuple(range(first + offset, first + offset + rows)), key_len)
+                )
+        group = num_heads // num_kv_heads
+        batch.derived[key] = [
+            _pad_group(g, batch.block_tables, batch.block_size, True, group)
+            for g in _group_pieces(pieces, num_heads, kv_elements)
+        ]
+    return batch.derived[key]
+
+
+def _prefix_groups(batch: PrefixBatch, num_heads: int, num_kv_heads: int, head_dim: int):
+    key = ("reference", num_heads, num_kv_heads, head_dim)
+    if key not in batch.derived:
+        kv_elements = 2 * num_kv_heads * head_dim
+        tile = _tile_rows(batch.max_length, num_heads, kv_elements)
+        starts, rows = batch.host_row_start, batch.host_rows
+        pieces = []
+        for s, length in enumerate(batch.host_lengths):
+            if length == 0:
+                continue  # sees no key: out 0, lse -inf
+            for first in range(starts[s], starts[s + 1], tile):
+                pieces.append(_Piece(s, rows[first : min(first + tile, starts[s + 1])], length))
+        group = num_heads // num_kv_heads
+        batch.derived[key] = [
+            _pad_group(g, batch.block_tables, batch.block_size, False, group)
+            for g in _group_pieces(pieces, num_heads, kv_elements)
+        ]
+    return batch.derived[key]
+
+
+# ---------------------------------------------------------------- attention
+
+
+def own_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, batch: OwnBatch, scale: float
+) -> AttentionOutput:
+    """Each request's query rows against its own paged K/V, causal, variable length.
+
+    q:       [T, num_heads, head_dim], T = batch.num_rows
+    k_cache,
+    v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype and device, the
+             shape the batch was built for, already holding this step's tokens (store_kv)
+    batch:   OwnBatch from own_batch() (which rows are whose, block tables, lengths)
+    Returns AttentionOutput(out [T, num_heads, head_dim] q.dtype, lse [T, num_heads] fp32).
+
+    Requests are cut into row tiles and batched in groups of similar shape (padded,
+    masked), so decode rows run together in one matmul; the grouping and index tensors
+    are derived once per batch and reused by every layer.
+    """
+    check_launch(q, k_cache, v_cache, batch, OwnBatch)
+    scale = _check_scale(scale)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    groups = _own_groups(batch, num_heads, k_cache.shape[2], head_dim)
+    return _run_groups(q, k_cache, v_cache, groups, scale)
+
+
+def prefix_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, batch: PrefixBatch, scale: float
+) -> AttentionOutput:
+    """The query rows of every request sharing a prefix segment against ONE copy of its
+    K/V, non-causal, for every segment of the batch.
+
+    q:       [T, num_heads, head_dim], T = batch.num_rows; decode rows and prefill
+             chunks alike
+    k_cache,
+    v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype and device
+    batch:   PrefixBatch from prefix_batch()
+    Returns AttentionOutput(out [T, num_heads, head_dim] q.dtype, lse [T, num_heads] fp32);
+    rows in no segment of the batch get out 0 and lse -inf.
+
+    GQA: the query heads of one KV head are packed into the row dimension, so each
+    segment's K/V is read once for all rows of all its requests (one matrix-matrix
+    product per KV head); segments of similar length are batched together.
+    """
+    check_launch(q, k_cache, v_cache, batch, PrefixBatch)
+    scale = _check_scale(scale)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    groups = _prefix_groups(batch, num_heads, k_cache.shape[2], head_dim)
+    return _run_groups(q, k_cache, v_cache, groups, scale)
 
 
 def merge_attention_states(parts: Sequence[tuple[Tensor, Tensor]]) -> AttentionOutput:

@@ -20,7 +20,9 @@ from hypothesis import strategies as st
 from llm_operator.kernels import (
     merge_attention_states,
     own_attention,
+    own_batch,
     prefix_attention,
+    prefix_batch,
     reference,
     store_kv,
 )
@@ -165,19 +167,22 @@ def dense_reference(case: PagedCase) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(outs), torch.cat(lses)
 
 
+def cache_shape(case: PagedCase) -> dict:
+    return {"block_size": case.k_cache.shape[1], "num_blocks": case.k_cache.shape[0]}
+
+
+def attend_prefix(case: PagedCase, q: torch.Tensor, blocks: torch.Tensor, length: int):
+    """Every row of q against one segment (one batch, one segment)."""
+    batch = prefix_batch(
+        [range(q.shape[0])], [blocks], [length], num_rows=q.shape[0], **cache_shape(case)
+    )
+    return prefix_attention(q, case.k_cache, case.v_cache, batch, case.scale)
+
+
 def split_attention(case: PagedCase) -> tuple[torch.Tensor, torch.Tensor]:
-    prefix = prefix_attention(
-        case.q, case.k_cache, case.v_cache, case.prefix_blocks, case.prefix_len, case.scale
-    )
-    own = own_attention(
-        case.q,
-        case.k_cache,
-        case.v_cache,
-        case.query_start,
-        case.block_tables,
-        case.context_lens,
-        case.scale,
-    )
+    prefix = attend_prefix(case, case.q, case.prefix_blocks, case.prefix_len)
+    batch = own_batch(case.query_start, case.block_tables, case.context_lens, **cache_shape(case))
+    own = own_attention(case.q, case.k_cache, case.v_cache, batch, case.scale)
     return merge_attention_states([prefix, own])
 
 
@@ -294,23 +299,56 @@ def test_int64_indices_and_tiny_work_budget(monkeypatch):
     assert_matches_dense(case)
 
 
+def test_explicit_path_matches_the_fused_cpu_kernel(monkeypatch):
+    """The matmul/logsumexp path (non-CPU devices, or no fused op) gives the same answer."""
+    case = make_case(
+        prefix_len=29,
+        requests=BATCHES["mixed"],
+        block_size=8,
+        num_kv_heads=2,
+        group=4,
+        head_dim=16,
+        seed=4,
+    )
+    fused = split_attention(case)
+    monkeypatch.setattr(reference, "_FLASH_CPU", None)
+    explicit = split_attention(case)
+    torch.testing.assert_close(explicit, fused, atol=1e-5, rtol=1e-5)
+    assert_matches_dense(case)
+
+
 def test_own_attention_work_plan_covers_rows_once_within_budget(monkeypatch):
     monkeypatch.setattr(reference, "MAX_SCORE_ELEMENTS", 20_000)
-    counts = [1, 1, 300, 2, 1, 17, 40, 0, 3]
-    context_lens = [90, 12, 310, 5, 200, 17, 100, 8, 60]
+    counts = [1, 1, 300, 2, 1, 17, 40, 0, 3, 1]
+    context_lens = [90, 12, 310, 5, 200, 17, 100, 8, 60, 100]
     starts = list(itertools.accumulate(counts, initial=0))
-    num_heads, kv_elements = 8, 2 * 2 * 16
-    groups = reference._plan_pieces(starts, context_lens, num_heads, kv_elements)
-    rows = sorted(
-        r for group in groups for p in group for r in range(p.first_row, p.first_row + p.rows)
-    )
+    tables = [list(range(-(-n // 16))) for n in context_lens]
+    batch = own_batch(starts, tables, context_lens, block_size=16, num_blocks=20)
+    num_heads, num_kv_heads, head_dim = 8, 2, 16
+    kv_elements = 2 * num_kv_heads * head_dim
+    groups = reference._own_groups(batch, num_heads, num_kv_heads, head_dim)
+    assert groups is reference._own_groups(batch, num_heads, num_kv_heads, head_dim)  # cached
+    rows = sorted(r for group in groups for r in group.rows.tolist())
     assert rows == list(range(starts[-1]))
     for group in groups:
-        padded = max(p.rows for p in group)
-        assert all(p.rows.bit_length() == padded.bit_length() for p in group)  # < 2x row padding
-        cost = len(group) * max(p.key_len for p in group) * (num_heads * padded + kv_elements)
-        assert len(group) == 1 or cost <= 20_000
-    assert any(len(group) > 1 for group in groups)
+        counts_in = group.row_valid.sum(dim=1).tolist()
+        padded = group.row_index.shape[1]
+        assert all(c.bit_length() == padded.bit_length() for c in counts_in)  # < 2x row padding
+        cost = len(counts_in) * group.slots.shape[1] * (num_heads * padded + kv_elements)
+        assert len(counts_in) == 1 or cost <= 20_000
+    assert any(group.row_index.shape[0] > 1 for group in groups)
+
+
+def test_pieces_are_grouped_with_less_than_2x_key_padding():
+    pieces = [
+        reference._Piece(i, (i,), key_len) for i, key_len in enumerate([9, 400, 17, 30, 200, 33, 8])
+    ]
+    groups = reference._group_pieces(pieces, num_heads=4, kv_elements=64)
+    assert sorted(p.table for g in groups for p in g) == list(range(7))
+    for group in groups:
+        keys = [p.key_len for p in group]
+        assert max(keys) <= 2 * max(min(keys), 8)
+    assert [len(g) for g in groups] == [2, 3, 2]  # 8 9 | 17 30 33 | 200 400
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -341,7 +379,7 @@ def test_prefix_attention_is_shared_and_non_causal():
     )
     q = case.q.clone()
     q[3] = q[0]
-    out, lse = prefix_attention(q, case.k_cache, case.v_cache, case.prefix_blocks, 21, case.scale)
+    out, lse = attend_prefix(case, q, case.prefix_blocks, 21)
     expected_out, expected_lse = dense_attention(
         q, case.prefix_k, case.prefix_v, torch.ones(4, 21, dtype=torch.bool), case.scale
     )
@@ -390,9 +428,44 @@ def prefix_key_sets(num_sets: int, seed: int = 5):
 def attend_to(case: PagedCase, table: torch.Tensor):
     generator = torch.Generator().manual_seed(table.shape[0])
     shuffled = table[torch.randperm(table.shape[0], generator=generator)]  # order is irrelevant
-    return prefix_attention(
-        case.q, case.k_cache, case.v_cache, shuffled, shuffled.shape[0], case.scale
+    return attend_prefix(case, case.q, shuffled, shuffled.shape[0])
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_prefix_batch_of_several_segments_matches_each_alone(block_size):
+    """Segments of different lengths in one batch (grouped and padded together) give each
+    row what its own segment alone gives; a row in no segment gets out 0, lse -inf."""
+    lengths = [7, 13, 4, 30]
+    per_block = [-(-n // block_size) for n in lengths]
+    cuts = list(itertools.accumulate(per_block, initial=0))
+    case = make_case(
+        prefix_len=cuts[-1] * block_size,
+        requests=[(3, 3), (2, 1), (5, 2), (4, 4)],
+        block_size=block_size,
+        num_kv_heads=2,
+        group=4,
+        head_dim=16,
+        seed=11,
     )
+    # Segment i: its own whole blocks of the prefix, of which it reads lengths[i] tokens.
+    tables = [case.prefix_blocks[a:b] for a, b in zip(cuts, cuts[1:])]
+    segment_rows = [[0, 5, 7], [1, 2], [], [3, 6, 8, 9]]  # row 4 reads no segment
+    batch = prefix_batch(segment_rows, tables, lengths, num_rows=10, **cache_shape(case))
+    out, lse = prefix_attention(case.q, case.k_cache, case.v_cache, batch, case.scale)
+    for rows, table, length in zip(segment_rows, tables, lengths):
+        if rows:
+            alone = attend_prefix(case, case.q[rows], table, length)
+            torch.testing.assert_close(out[rows], alone.out, atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(lse[rows], alone.lse, atol=1e-6, rtol=1e-6)
+    assert bool((out[4] == 0).all()) and bool(torch.isneginf(lse[4]).all())
+    # Segment 1 in the dense oracle: the keys written at its positions.
+    first = cuts[1] * block_size
+    keys = case.prefix_k[first : first + lengths[1]]
+    values = case.prefix_v[first : first + lengths[1]]
+    expected, _ = dense_attention(
+        case.q[[1, 2]], keys, values, torch.ones(2, lengths[1], dtype=torch.bool), case.scale
+    )
+    torch.testing.assert_close(out[[1, 2]].double(), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("num_sets", [1, 2, 3])
@@ -410,7 +483,7 @@ def test_merge_of_disjoint_key_sets_equals_attention_over_all(num_sets):
 def test_merge_is_associative_and_ignores_empty_parts():
     case, tables = prefix_key_sets(3, seed=8)
     parts = [attend_to(case, table) for table in tables]
-    empty = prefix_attention(case.q, case.k_cache, case.v_cache, tables[0][:0], 0, case.scale)
+    empty = attend_prefix(case, case.q, tables[0][:0], 0)
     assert bool(torch.isneginf(empty.lse).all()) and bool((empty.out == 0).all())
     flat = merge_attention_states(parts)
     nested = merge_attention_states([merge_attention_states(parts[:2]), parts[2]])
@@ -459,36 +532,39 @@ def small_inputs(**overrides):
         "q": torch.zeros(3, 4, 8),
         "k_cache": cache,
         "v_cache": cache.clone(),
-        "block_table": torch.tensor([2, 0]),
-        "prefix_len": 3,
+        "segment_rows": [[0, 2], [1]],
+        "segment_blocks": [torch.tensor([2, 0]), [3]],
+        "lengths": [3, 1],
         "query_start": torch.tensor([0, 1, 3]),
         "block_tables": torch.tensor([[1, 9], [3, 9]]),
         "context_lens": torch.tensor([2, 2]),
         "k": torch.zeros(3, 2, 8),
         "v": torch.zeros(3, 2, 8),
         "slot_mapping": torch.tensor([0, 1, 7]),
+        "num_rows": 3,
+        "block_size": 2,
+        "num_blocks": 4,
     }
     inputs.update(overrides)
     return inputs
+
+
+def build(operation: str, a: dict):
+    shape = {"block_size": a["block_size"], "num_blocks": a["num_blocks"]}
+    if operation == "prefix":
+        return prefix_batch(
+            a["segment_rows"], a["segment_blocks"], a["lengths"], num_rows=a["num_rows"], **shape
+        )
+    return own_batch(a["query_start"], a["block_tables"], a["context_lens"], **shape)
 
 
 def call(operation: str, **overrides):
     a = small_inputs(**overrides)
     if operation == "store":
         return store_kv(a["k_cache"], a["v_cache"], a["k"], a["v"], a["slot_mapping"])
-    if operation == "prefix":
-        return prefix_attention(
-            a["q"], a["k_cache"], a["v_cache"], a["block_table"], a["prefix_len"], 0.5
-        )
-    return own_attention(
-        a["q"],
-        a["k_cache"],
-        a["v_cache"],
-        a["query_start"],
-        a["block_tables"],
-        a["context_lens"],
-        0.5,
-    )
+    batch = a.get("batch") or build(operation, small_inputs())
+    attend = prefix_attention if operation == "prefix" else own_attention
+    return attend(a["q"], a["k_cache"], a["v_cache"], batch, a.get("scale", 0.5))
 
 
 def test_small_inputs_are_valid():
@@ -504,23 +580,19 @@ def test_small_inputs_are_valid():
         ("own", {"q": torch.zeros(3, 5, 8)}, ValueError, "not a multiple of"),
         ("prefix", {"q": torch.zeros(3, 4, 16)}, ValueError, "head_dim 16"),
         ("own", {"q": torch.zeros(3, 4)}, ValueError, "q must be"),
+        ("own", {"q": torch.zeros(4, 4, 8)}, ValueError, "built for 3"),
         ("prefix", {"q": torch.zeros(3, 4, 8, dtype=torch.float16)}, TypeError, "dtype"),
         ("prefix", {"q": torch.zeros(3, 4, 8, device="meta")}, ValueError, "meta"),
         ("prefix", {"v_cache": torch.zeros(4, 2, 1, 8)}, ValueError, "v_cache shape"),
         ("prefix", {"k_cache": torch.zeros(4, 2, 2, 8, dtype=torch.int32)}, TypeError, "float"),
-        ("prefix", {"prefix_len": 5}, ValueError, "needs 3 blocks"),
-        ("prefix", {"prefix_len": -1}, ValueError, "prefix_len"),
-        ("prefix", {"prefix_len": 2.0}, TypeError, "prefix_len"),
-        ("prefix", {"block_table": torch.tensor([4, 0])}, ValueError, "block_table values"),
-        ("prefix", {"block_table": torch.tensor([2.0, 0.0])}, TypeError, "int32 or int64"),
-        ("own", {"query_start": torch.tensor([1, 1, 3])}, ValueError, "query_start must run"),
-        ("own", {"query_start": torch.tensor([0, 3])}, ValueError, "num_requests \\+ 1"),
-        ("own", {"query_start": torch.tensor([0, 4, 3])}, ValueError, "non-decreasing"),
-        ("own", {"context_lens": torch.tensor([2, 1])}, ValueError, r"context_lens\[1\]"),
-        ("own", {"context_lens": torch.tensor([2, 5])}, ValueError, "max_blocks"),
-        ("own", {"context_lens": torch.tensor([2])}, ValueError, "context_lens must have"),
-        ("own", {"context_lens": torch.tensor([3, 2])}, ValueError, "used entries"),
-        ("own", {"block_tables": torch.tensor([1, 3])}, ValueError, "block_tables must be"),
+        (
+            "own",
+            {"k_cache": torch.zeros(5, 2, 2, 8), "v_cache": torch.zeros(5, 2, 2, 8)},
+            ValueError,
+            "built for 4 blocks",
+        ),
+        ("prefix", {"batch": "segments"}, TypeError, "PrefixBatch"),
+        ("own", {"scale": float("nan")}, ValueError, "scale"),
         ("store", {"k": torch.zeros(3, 1, 8), "v": torch.zeros(3, 1, 8)}, ValueError, "k must"),
         ("store", {"v": torch.zeros(2, 2, 8)}, ValueError, "v shape"),
         ("store", {"v": torch.zeros(3, 2, 8, dtype=torch.bfloat16)}, TypeError, "v dtype"),
@@ -532,6 +604,40 @@ def test_small_inputs_are_valid():
 def test_bad_arguments_raise_clear_errors(operation, overrides, error, message):
     with pytest.raises(error, match=message):
         call(operation, **overrides)
+
+
+@pytest.mark.parametrize(
+    ("operation", "overrides", "error", "message"),
+    [
+        ("prefix", {"lengths": [5, 1]}, ValueError, "need 3 blocks"),
+        ("prefix", {"lengths": [-1, 1]}, ValueError, "lengths"),
+        ("prefix", {"lengths": [2.0, 1]}, TypeError, "lengths must hold ints"),
+        ("prefix", {"lengths": [3]}, ValueError, "one entry per segment"),
+        ("prefix", {"segment_blocks": [torch.tensor([4, 0]), [3]]}, ValueError, "segment_blocks"),
+        (
+            "prefix",
+            {"segment_blocks": [torch.tensor([2.0, 0.0]), [3]]},
+            TypeError,
+            "int32 or int64",
+        ),
+        ("prefix", {"segment_rows": [[0, 2], [2]]}, ValueError, "two segments"),
+        ("prefix", {"segment_rows": [[0, 3], [1]]}, ValueError, r"\[0, 3\)"),
+        ("prefix", {"num_rows": -1}, ValueError, "num_rows"),
+        ("prefix", {"block_size": 0}, ValueError, "block_size"),
+        ("own", {"query_start": torch.tensor([1, 1, 3])}, ValueError, "query_start must run"),
+        ("own", {"query_start": torch.tensor([0, 3])}, ValueError, "num_requests \\+ 1"),
+        ("own", {"query_start": torch.tensor([0, 4, 3])}, ValueError, "non-decreasing"),
+        ("own", {"context_lens": torch.tensor([2, 1])}, ValueError, r"context_lens\[1\]"),
+        ("own", {"context_lens": torch.tensor([2, 5])}, ValueError, "need 3 blocks"),
+        ("own", {"context_lens": torch.tensor([2])}, ValueError, "context_lens must have"),
+        ("own", {"context_lens": torch.tensor([3, 2])}, ValueError, r"block_tables\[0\] values"),
+        ("own", {"block_tables": torch.tensor([1, 3])}, ValueError, "2 dimension"),
+        ("own", {"block_tables": "blocks"}, TypeError, "sequence of ints"),
+    ],
+)
+def test_bad_batches_raise_clear_errors(operation, overrides, error, message):
+    with pytest.raises(error, match=message):
+        build(operation, small_inputs(**overrides))
 
 
 @pytest.mark.parametrize(

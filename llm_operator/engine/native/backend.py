@@ -173,7 +173,9 @@ class NativeBackend:
 
     # -- one iteration's tensors -------------------------------------------------------
     def _batch(self, chunks: list[ScheduledChunk], scheduler: Scheduler) -> dict:
-        """Token-packed inputs, slots, own block tables and per-segment rows of ``chunks``."""
+        """Token-packed inputs, slots and the step's attention layout, built once on the
+        host and reused by every layer: one own-attention batch, and one prefix batch per
+        level of the segment chains (a row reads at most one segment per level)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -181,7 +183,7 @@ class NativeBackend:
         query_start = [0]
         context_lens: list[int] = []
         tables: list[list[int]] = []
-        segment_rows: dict[int, list[int]] = {}
+        levels: list[dict[int, list[int]]] = []  # level -> segment id -> q rows
         last_rows: list[int] = []  # the last row of each sampled chunk, in chunk order
         for chunk in chunks:
             seq = chunk.seq
@@ -193,38 +195,37 @@ class NativeBackend:
             query_start.append(len(input_ids))
             context_lens.append(chunk.start + chunk.length)
             tables.append(seq.blocks)
-            for segment_id in seq.chain:
-                segment_rows.setdefault(segment_id, []).extend(range(begin, len(input_ids)))
+            for level, segment_id in enumerate(seq.chain):
+                if level == len(levels):
+                    levels.append({})
+                levels[level].setdefault(segment_id, []).extend(range(begin, len(input_ids)))
             if chunk.sample:
                 last_rows.append(len(input_ids) - 1)
-        width = max(len(t) for t in tables)
         device = self.device
-        block_tables = torch.tensor(
-            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
-        )
-        segments = [
-            (
-                torch.tensor(rows, dtype=torch.int64, device=device),
-                torch.tensor(scheduler.segment_blocks(s), dtype=torch.int32, device=device),
-                scheduler.segment_length(s),
+        shape = {"block_size": bs, "num_blocks": scheduler.blocks.num_blocks, "device": device}
+        own_batch = kernels.own_batch(query_start, tables, context_lens, **shape)
+        prefix_batches = [
+            kernels.prefix_batch(
+                list(level.values()),
+                [scheduler.segment_blocks(s) for s in level],
+                [scheduler.segment_length(s) for s in level],
+                num_rows=len(input_ids),
+                **shape,
             )
-            for s, rows in segment_rows.items()
+            for level in levels
         ]
         slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
-        starts = torch.tensor(query_start, dtype=torch.int32, device=device)
-        lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
         scale = self.config.scale
 
         def attention(layer: int, q, k, v):
             k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
             kernels.store_kv(k_cache, v_cache, k, v, slot_mapping)
-            out, lse = kernels.own_attention(q, k_cache, v_cache, starts, block_tables, lens, scale)
-            for rows, blocks, length in segments:
-                part = kernels.prefix_attention(q[rows], k_cache, v_cache, blocks, length, scale)
-                merged = kernels.merge_attention_states([(out[rows], lse[rows]), part])
-                out[rows] = merged.out
-                lse[rows] = merged.lse
-            return out
+            parts = [kernels.own_attention(q, k_cache, v_cache, own_batch, scale)]
+            for batch in prefix_batches:
+                parts.append(kernels.prefix_attention(q, k_cache, v_cache, batch, scale))
+            if len(parts) == 1:
+                return parts[0].out
+            return kernels.merge_attention_states(parts).out
 
         return {
             "input_ids": torch.tensor(input_ids, dtype=torch.int64, device=device),
