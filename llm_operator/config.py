@@ -59,8 +59,9 @@ def physical_memory_bytes() -> int:
 class EngineConfig:
     """Options of one ``LLMOperator``.
 
-    backend: "auto" (hf for now), "hf", "native" (Llama, Qwen2, Qwen3, Mistral: our own
-        forward over a paged KV cache); "vllm" is not built yet.
+    backend: "auto" (native for Llama, Qwen2, Qwen3 and Mistral, hf otherwise), "hf"
+        (transformers' forward), "native" (our own forward over a paged KV cache with
+        pinned prefixes); "vllm" is not built yet.
     kv_cache_memory: bytes (or "2GiB") the KV cache may hold at once; "auto"
         takes a quarter of RAM on CPU (at most 8 GiB) or 80% of free GPU memory.
     max_batch_size: most rows decoding at once.
@@ -69,6 +70,9 @@ class EngineConfig:
     kv_block_size: tokens per KV block of the native backend's paged cache.
     min_shared_tokens: shortest prefix worth sharing between rows.
     share_prefixes / decode_first: the planner's optimizations (off for ablations).
+    token_batching: native: new requests join the running batch in the iteration their
+        KV blocks free (BATON); off (an ablation), requests run in waves of
+        max_batch_size and a wave starts once the previous one has ended.
     """
 
     backend: str = "auto"
@@ -81,6 +85,7 @@ class EngineConfig:
     min_shared_tokens: int = 4
     share_prefixes: bool = True
     decode_first: bool = True
+    token_batching: bool = True
     trust_remote_code: bool = False
     progress: bool = False
 
@@ -103,7 +108,13 @@ class EngineConfig:
                 raise TypeError(f"{name} must be an int, got {value!r}")
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value!r}")
-        for name in ("share_prefixes", "decode_first", "trust_remote_code", "progress"):
+        for name in (
+            "share_prefixes",
+            "decode_first",
+            "token_batching",
+            "trust_remote_code",
+            "progress",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -46,6 +46,7 @@ class LLMOperator:
         min_shared_tokens: int = 4,
         share_prefixes: bool = True,
         decode_first: bool = True,
+        token_batching: bool = True,
         trust_remote_code: bool = False,
         progress: bool = False,
         cache_dir: str | os.PathLike | None = None,
@@ -65,6 +66,7 @@ class LLMOperator:
             min_shared_tokens=min_shared_tokens,
             share_prefixes=share_prefixes,
             decode_first=decode_first,
+            token_batching=token_batching,
             trust_remote_code=trust_remote_code,
             progress=progress,
         )
@@ -81,12 +83,37 @@ class LLMOperator:
 
     @property
     def backend_name(self) -> str:
-        return "hf" if self.config.backend == "auto" else self.config.backend
+        """The backend that runs. ``auto`` picks ``native`` for the architectures the native
+        engine supports (Llama, Qwen2, Qwen3, Mistral; no sliding window shorter than the
+        context), ``hf`` for every other model."""
+        if self.config.backend != "auto":
+            return self.config.backend
+        return "native" if self._native_unsupported() is None else "hf"
+
+    def _native_unsupported(self) -> str | None:
+        """Why the native engine cannot run this model, or None when it can."""
+        from llm_operator.models.llama import native_config
+
+        try:
+            config = native_config(self.model_config)
+        except ValueError as error:
+            return str(error)
+        if config.sliding_window is not None and config.sliding_window < self.max_context:
+            return (
+                f"backend='native' does not run sliding-window attention (window "
+                f"{config.sliding_window} < context {self.max_context}); use backend='hf'"
+            )
+        return None
 
     def backend(self) -> Backend:
         """The backend, loading the model on first use."""
         if self._backend is None and self.backend_name == "native":
             self._backend = self._native_backend()
+        if self._backend is None and not self.config.token_batching:
+            raise ValueError(
+                "token_batching=False is an ablation of the native backend; the hf backend "
+                f"(chosen here: backend={self.config.backend!r}) always re-batches"
+            )
         if self._backend is None:
             from llm_operator.engine.hf import HFBackend
             from llm_operator.models import load_causal_lm, resolve_device, resolve_dtype
@@ -113,14 +140,11 @@ class LLMOperator:
         from llm_operator.engine.hf import eos_token_ids
         from llm_operator.engine.native.backend import NativeBackend
         from llm_operator.models import resolve_device, resolve_dtype
-        from llm_operator.models.llama import LlamaModel, native_config
+        from llm_operator.models.llama import LlamaModel
 
-        config = native_config(self.model_config)  # ValueError naming an unsupported model
-        if config.sliding_window is not None and config.sliding_window < self.max_context:
-            raise ValueError(
-                f"backend='native' does not run sliding-window attention (window "
-                f"{config.sliding_window} < context {self.max_context}); use backend='hf'"
-            )
+        reason = self._native_unsupported()
+        if reason is not None:
+            raise ValueError(reason)
         device = resolve_device(self.config.device)
         dtype = resolve_dtype(self.config.dtype, device)
         model = LlamaModel.from_pretrained(self.model.path, device=device, dtype=dtype)
@@ -134,6 +158,7 @@ class LLMOperator:
             max_batched_tokens=self.config.prefill_batch_tokens,
             max_running=self.config.max_batch_size,
             share_prefixes=self.config.share_prefixes,
+            token_batching=self.config.token_batching,
         )
 
     # -- preparation -----------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 
 from llm_operator.cli import main
 
-OUR_SYSTEMS = ("hf", "hf-noshare", "hf-nodecodefirst", "native", "native-noshare")
+OUR_SYSTEMS = ("hf", "hf-noshare", "hf-nodecodefirst", "native", "native-noshare", "native-notokenbatch")
 STATIC_SYSTEMS = ("hf-static", "hf-static-shuffled")
 RECORD_FIELDS = (
     "system",

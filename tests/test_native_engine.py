@@ -37,6 +37,17 @@ def test_block_sizes_and_chunked_prefill_match_hf(tiny_llama_dir, block_size, bu
     assert_matches_hf(op, tiny_llama_dir, prompts, results, 6, ignore_eos=True)
 
 
+def test_without_token_batching_matches_hf_and_hf_refuses_it(tiny_llama_dir):
+    prompts = three_level_prompts()
+    op = LLMOperator(tiny_llama_dir, backend="native", token_batching=False, max_batch_size=2)
+    results = op.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert_matches_hf(op, tiny_llama_dir, prompts, results, 6, ignore_eos=True)
+    assert op.backend().last_profile["max_running"] == 2
+    hf = LLMOperator(tiny_llama_dir, backend="hf", token_batching=False)
+    with pytest.raises(ValueError, match="token_batching=False"):
+        hf.generate(["Why"], SamplingParams(max_tokens=2))
+
+
 def test_pool_smaller_than_the_group_runs_in_waves_with_preemption(tiny_qwen3_dir):
     prompts = three_level_prompts()
     params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -84,7 +95,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_qwen2_dir):
     assert [r.token_ids for r in one_by_one] == [r.token_ids for r in together]
 
 
-def test_native_refuses_what_it_cannot_run(tiny_llama_dir, tmp_path):
+def _windowed_copy(tiny_llama_dir, tmp_path):
     import json
     import shutil
 
@@ -93,6 +104,23 @@ def test_native_refuses_what_it_cannot_run(tiny_llama_dir, tmp_path):
     config = json.loads((copy / "config.json").read_text())
     config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=8)
     (copy / "config.json").write_text(json.dumps(config))
-    op = LLMOperator(copy, backend="native")
+    return copy
+
+
+def test_native_refuses_what_it_cannot_run(tiny_llama_dir, tmp_path):
+    op = LLMOperator(_windowed_copy(tiny_llama_dir, tmp_path), backend="native")
     with pytest.raises(ValueError, match="sliding-window"):
         op.generate(["Why"], SamplingParams(max_tokens=2))
+
+
+def test_auto_runs_native_where_supported_and_hf_elsewhere(
+    native_model_dir, tiny_llama_dir, tmp_path
+):
+    op = LLMOperator(native_model_dir)
+    assert op.backend_name == "native"
+    op.generate(["Why"], SamplingParams(max_tokens=2))
+    assert op.last_stats.backend == "native"
+    windowed = LLMOperator(_windowed_copy(tiny_llama_dir, tmp_path))
+    assert windowed.backend_name == "hf"
+    result = windowed.generate(["Why"], SamplingParams(max_tokens=2))[0]
+    assert result.finish_reason != "error" and windowed.last_stats.backend == "hf"

@@ -292,6 +292,7 @@ def test_block_manager_rejects_empty_pools(num_blocks, block_size):
         ({"decode_reserve": -0.5}, ValueError),
         ({"decode_reserve": float("nan")}, ValueError),
         ({"share_prefixes": "yes"}, TypeError),
+        ({"token_batching": 1}, TypeError),
         ({"max_running": 2.0}, TypeError),
     ],
 )
@@ -412,6 +413,27 @@ def test_decodes_take_the_budget_before_any_prefill():
     runner = run_workload(prompts, 6, num_blocks=40, block_size=2, max_batched_tokens=4)
     assert runner.scheduler.stats.max_running == 6
     assert runner.decode_only > 0
+
+
+def test_without_token_batching_requests_run_in_waves():
+    prompts = [[10 * i + j for j in range(1, 5)] for i in range(1, 7)]  # 6 unshared prompts
+    stop = [2, 7, 3, 3, 6, 1]
+    options = dict(stop_after=stop, num_blocks=40, block_size=4, max_running=2)
+    waves = run_workload(prompts, 8, token_batching=False, **options)
+    batched = run_workload(prompts, 8, **options)
+    assert outputs_by_row(waves) == outputs_by_row(batched)
+    # A request first runs only after every request that ran before it has finished,
+    # unless it was admitted in the same iteration (one wave of up to max_running).
+    first_seen: dict[int, int] = {}
+    for index, iteration in enumerate(waves.log):
+        for _, ref, *_ in iteration:
+            first_seen.setdefault(ref, index)
+    for ref, start in first_seen.items():
+        for other, other_start in first_seen.items():
+            if other_start < start:
+                assert waves.finished_at[other] < start, (ref, other)
+    assert waves.scheduler.stats.max_running == 2
+    assert len(waves.log) > len(batched.log)  # the short rows' slots idle until the wave ends
 
 
 def test_share_prefixes_false_ignores_segments():

@@ -75,6 +75,13 @@ SYSTEMS: dict[str, SystemSpec] = {
             {"backend": "native", "decode_first": False},
         ),
         SystemSpec(
+            "native-notokenbatch",
+            "operator",
+            "native without token batching: waves of 16 requests, each run to its end "
+            "before the next is admitted (ablation)",
+            {"backend": "native", "token_batching": False, "max_batch_size": 16},
+        ),
+        SystemSpec(
             "vllm",
             "vllm",
             "vLLM offline, prefix caching on, rows in input order",

@@ -44,6 +44,7 @@ class NativeBackend:
         max_running: int = 256,
         decode_reserve: float = 0.5,
         share_prefixes: bool = True,
+        token_batching: bool = True,
     ) -> None:
         if block_size < 1 or max_batched_tokens < 1:
             raise ValueError("block_size and max_batched_tokens must be >= 1")
@@ -60,6 +61,7 @@ class NativeBackend:
         self.max_running = max_running
         self.decode_reserve = decode_reserve
         self.share_prefixes = share_prefixes
+        self.token_batching = token_batching
         self.last_profile: dict[str, float] = {}
 
     # -- memory ------------------------------------------------------------------------
@@ -106,6 +108,7 @@ class NativeBackend:
             max_running=self.max_running,
             decode_reserve=self.decode_reserve,
             share_prefixes=self.share_prefixes,
+            token_batching=self.token_batching,
         )
         decoders = [
             RowDecoder(self.tokenizer, p, self.eos_token_ids, len(r.token_ids), self.max_context)

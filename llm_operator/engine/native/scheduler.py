@@ -91,6 +91,7 @@ class Scheduler:
         max_running: int = 256,
         decode_reserve: float = 0.5,
         share_prefixes: bool = True,
+        token_batching: bool = True,
     ) -> None:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a Plan, got {type(plan).__name__}")
@@ -108,11 +109,16 @@ class Scheduler:
             raise TypeError(f"decode_reserve must be a float, got {decode_reserve!r}")
         if not (math.isfinite(decode_reserve) and decode_reserve >= 0):
             raise ValueError(f"decode_reserve must be finite and >= 0, got {decode_reserve!r}")
-        if not isinstance(share_prefixes, bool):
-            raise TypeError(f"share_prefixes must be a bool, got {share_prefixes!r}")
+        for name, flag in (("share_prefixes", share_prefixes), ("token_batching", token_batching)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
         self.plan, self.blocks = plan, blocks
         self.max_batched_tokens, self.max_running = max_batched_tokens, max_running
         self.decode_reserve, self.share_prefixes = decode_reserve, share_prefixes
+        # token_batching=False is the ablation without BATON insertion: requests run in
+        # waves of up to max_running, and a wave is admitted only once the last has ended.
+        self.token_batching = token_batching
+        self._wave_open = True
         self.rejected: list[tuple[int, str]] = []
         self.stats = SchedulerStats()
         self._chains: list[tuple[int, ...]] = []
@@ -221,14 +227,18 @@ class Scheduler:
             if seq not in scheduled and (chunk := self._prefill_chunk(seq, budget)):
                 chunks.append(chunk)
                 budget -= chunk.length
-        while budget > 0 and self._num_running_requests < self.max_running:
+        if not self.token_batching and self._num_running_requests == 0:
+            self._wave_open = True
+        while budget > 0 and self._wave_open:
             seq = self._peek_waiting()
-            if seq is None:
+            if seq is None or self._num_running_requests >= self.max_running:
+                self._wave_open = self.token_batching
                 break
             if (message := self._never_fits(seq)) is not None:
                 self._reject(seq, message)
                 continue
             if not self._fits(seq):
+                self._wave_open = self.token_batching
                 break
             for admitted in self._admit(seq):
                 if budget > 0 and (chunk := self._prefill_chunk(admitted, budget)):
