@@ -48,6 +48,36 @@ def test_without_token_batching_matches_hf_and_hf_refuses_it(tiny_llama_dir):
         hf.generate(["Why"], SamplingParams(max_tokens=2))
 
 
+def test_interpreted_triton_kernels_match_hf(tiny_qwen3_dir, monkeypatch):
+    """The engine with every attention op forced to the Triton kernels (run by the Triton
+    interpreter on the CPU) still gives HF generate's tokens: shared segments at two and
+    three levels, chunked prefill, decodes."""
+    pytest.importorskip("triton")
+    from llm_operator import kernels
+    from llm_operator.kernels import triton_attention
+
+    monkeypatch.setenv(kernels.IMPLEMENTATION_ENV, "triton")
+    calls = {"own_attention": 0, "prefix_attention": 0}
+
+    def counting(name):
+        function = getattr(triton_attention, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    for name in calls:
+        monkeypatch.setattr(triton_attention, name, counting(name))
+    prompts = three_level_prompts()[:6]
+    op = LLMOperator(tiny_qwen3_dir, backend="native", kv_block_size=4, prefill_batch_tokens=48)
+    results = op.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert_matches_hf(op, tiny_qwen3_dir, prompts, results, 3, ignore_eos=True)
+    assert calls["own_attention"] > 0 and calls["prefix_attention"] > 0
+    assert op.last_stats.prefill_tokens_computed == op.last_stats.planned_prefill_tokens
+
+
 def test_pool_smaller_than_the_group_runs_in_waves_with_preemption(tiny_qwen3_dir):
     prompts = three_level_prompts()
     params = SamplingParams(max_tokens=12, ignore_eos=True)

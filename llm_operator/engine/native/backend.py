@@ -129,6 +129,7 @@ class NativeBackend:
             self.k_cache = self.v_cache = []  # the pool lives for one run
         self.last_profile.update(
             preemptions=scheduler.stats.preemptions,
+            segment_evictions=scheduler.stats.segment_evictions,
             max_running=scheduler.stats.max_running,
             num_blocks=num_blocks,
         )

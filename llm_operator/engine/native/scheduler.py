@@ -34,6 +34,9 @@ Rules:
     youngest running request holding blocks (possibly itself); it loses its blocks and
     ``num_computed``, keeps its tokens and goes to the front of the waiting queue. Segments
     are never preempted.
+  - Waves (``token_batching=False``, an ablation): fresh requests are admitted only while no
+    request runs, up to ``max_running`` or until one does not fit; the wave then runs to its
+    end before the next one starts, so rows that finish early leave their slots idle.
   - Rejection: a request whose chain blocks + ``blocks_for(len(tokens) + 1)`` exceed the pool
     can never run; it is rejected (``rejected``), which counts as finished.
   - Progress: when nothing can be scheduled, preempt the youngest running request holding

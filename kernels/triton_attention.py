@@ -1,0 +1,866 @@
+"""Triton kernels for the native engine's attention over a paged KV cache.
+
+Same signatures and semantics as ``reference.py`` (read its docstrings for the contracts):
+
+- ``store_kv``: one program per new token writes its K and V rows into the paged cache;
+- ``prefix_attention``: one program per (row tile of a segment, KV head). The query heads
+  of that KV head are packed into the tile's M dimension (GQA), the tile's q rows come
+  through ``batch.rows``, and the program streams the segment's K/V once, key tile by key
+  tile through ``batch.block_tables[s]``, with an online softmax in fp32 (non-causal);
+- ``own_attention``: the same loop per (row tile of a request, KV head), causal, the rows
+  at own positions ``context_lens[b] - n_b + j``;
+- ``merge_attention_states``: a log-sum-exp merge of (out, lse) parts, folded pairwise
+  with an fp32 running state (one rounding to the parts' dtype at the end).
+
+Work lists. A batch's work items (segment or request, row tile, key range) are listed once
+per engine step from its host fields (``host_row_start``, ``host_query_start``, ...) into
+a small int32 tensor cached in ``batch.derived`` (keyed ``("triton", num_heads,
+num_kv_heads, head_dim, config)``); every layer reuses it, so no launch reads a device
+value back and no program is launched for an empty tile. Segments (requests) are listed
+longest first, tiles of one segment next to each other (they read the same K/V from L2).
+When a batch's prefix tiles are too few to fill the GPU (decode rows on a long shared
+prefix), each segment's keys are split into chunks (flash-decoding): every (tile, chunk)
+writes an fp32 partial state and a second kernel combines them by log-sum-exp.
+
+Precision. Every load is cast to fp32 right away. The two matrix products take fp32
+operands under the interpreter (CPU tensors, ``TRITON_INTERPRET=1``) and for fp32 inputs
+(exact "ieee" products); on a GPU with fp16/bf16 inputs the operands go back to the input
+dtype for the tensor cores (q and K/V exactly, the softmax weights rounded), with fp32
+accumulation. Scores, softmax and sums are fp32; ``lse`` is the natural log.
+
+Block sizes depend on head_dim and dtype, plus the tile's M from the batch's row counts
+(16, 32, 64 or 128 packed rows); no autotuning. Index values (slots, block ids, lengths)
+are validated on the host by ``own_batch`` / ``prefix_batch``; the launchers here check
+shapes, strides and dtypes only (``store_kv`` skips slots outside the cache instead of
+checking them, which would need a device-to-host sync).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from llm_operator.kernels.reference import (
+    AttentionOutput,
+    OwnBatch,
+    PrefixBatch,
+    check_launch,
+)
+
+__all__ = [
+    "merge_attention_states",
+    "own_attention",
+    "prefix_attention",
+    "store_kv",
+]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_LOG2E = 1.4426950408889634
+_MAX_HEAD_DIM = 256
+
+
+# ---------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,  # [T, num_kv_heads, head_dim]
+    v_ptr,
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    slot_ptr,  # [T] int32 / int64
+    num_slots,  # num_blocks * block_size
+    block_size,
+    num_kv_heads,
+    head_dim,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_kcd,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    in_cache = (slot >= 0) & (slot < num_slots)  # other slots (e.g. -1 padding) are skipped
+    slot = tl.where(in_cache, slot, 0)
+    block = slot // block_size
+    offset = slot % block_size
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    heads_here = tl.where(in_cache, num_kv_heads, 0)  # 0: write nothing
+    mask = (heads[:, None] < heads_here) & (dims[None, :] < head_dim)  # [H, D]
+    k_src = k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :] * stride_kd
+    v_src = v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :] * stride_vd
+    k_dst = (
+        k_cache_ptr
+        + block * stride_kcb
+        + offset * stride_kcs
+        + heads[:, None] * stride_kch
+        + dims[None, :] * stride_kcd
+    )
+    v_dst = (
+        v_cache_ptr
+        + block * stride_vcb
+        + offset * stride_vcs
+        + heads[:, None] * stride_vch
+        + dims[None, :] * stride_vcd
+    )
+    # A copy: the values go through fp32 (exact for every input dtype) and back.
+    k = tl.load(k_src, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_src, mask=mask, other=0.0).to(tl.float32)
+    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # [T, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    out_ptr,  # [T, num_heads, head_dim] q's dtype, or [splits, T, num_heads, head_dim] fp32
+    lse_ptr,  # [T, num_heads] or [splits, T, num_heads], fp32
+    work_ptr,  # [W, 6] int32: (table row, first, row count, key_begin, key_end, split)
+    rows_ptr,  # [N] q row indices (INDIRECT) or unused
+    table_ptr,  # [S or B, max_blocks] block ids
+    scale,  # softmax scale * log2(e)
+    block_size,
+    head_dim,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_os,  # 0 unless out/lse hold one partial state per key split
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_ls,
+    stride_lt,
+    stride_lh,
+    stride_table,
+    GROUP: tl.constexpr,  # query heads per KV head
+    INDIRECT: tl.constexpr,  # rows come through rows_ptr (prefix) or are contiguous (own)
+    CAUSAL: tl.constexpr,
+    MMA_DTYPE: tl.constexpr,  # operand dtype of the two matrix products
+    PRECISION: tl.constexpr,  # "ieee" for fp32 operands
+    BLOCK_M: tl.constexpr,  # packed (row, head of the group) pairs per tile
+    BLOCK_N: tl.constexpr,  # keys per loop step
+    BLOCK_D: tl.constexpr,  # head_dim rounded up to a power of two
+):
+    """One (work item, KV head): out/lse of a row tile over keys [key_begin, key_end).
+
+    Work item: table row (segment or request), ``first`` (index into rows_ptr when
+    INDIRECT, else the first q row), ``count`` rows, the key range, and the ``split`` the
+    result goes to (its offset is split * stride_os). Causal (key_begin 0): row r of the
+    tile sits at position key_end - count + r and sees keys up to it; else every row sees
+    the whole range.
+    """
+    item = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    table = tl.load(work_ptr + item * 6).to(tl.int64)
+    first = tl.load(work_ptr + item * 6 + 1).to(tl.int64)
+    count = tl.load(work_ptr + item * 6 + 2)
+    key_begin = tl.load(work_ptr + item * 6 + 3)
+    key_end = tl.load(work_ptr + item * 6 + 4)
+    split = tl.load(work_ptr + item * 6 + 5).to(tl.int64)
+
+    # Packed tile row m = (tile row r, head g of the KV head's group).
+    m = tl.arange(0, BLOCK_M)
+    r = m // GROUP
+    g = m % GROUP
+    row_valid = r < count  # [M]
+    if INDIRECT:
+        q_row = tl.load(rows_ptr + first + r, mask=row_valid, other=0).to(tl.int64)
+    else:
+        q_row = first + r
+    head = (kv_head * GROUP + g).to(tl.int64)  # [M]
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < head_dim
+    q_offsets = q_row[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd
+    q_mask = row_valid[:, None] & dim_valid[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32)  # [M, D]
+    q = q.to(MMA_DTYPE)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    position = key_end - count + r  # [M] causal position of each packed row
+    kv_head64 = kv_head.to(tl.int64)
+    k_base = k_cache_ptr + kv_head64 * stride_kh
+    v_base = v_cache_ptr + kv_head64 * stride_vh
+    table_base = table_ptr + table * stride_table
+    for start in range(key_begin, key_end, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)  # [N] positions in the segment / request
+        key_valid = keys < key_end
+        block = tl.load(table_base + keys // block_size, mask=key_valid, other=0).to(tl.int64)
+        offset = (keys % block_size).to(tl.int64)
+        kv_mask = key_valid[:, None] & dim_valid[None, :]
+        k = tl.load(
+            k_base
+            + block[:, None] * stride_kb
+            + offset[:, None] * stride_ks
+            + dims[None, :] * stride_kd,
+            mask=kv_mask,
+            other=0.0,
+        ).to(tl.float32)  # [N, D]
+        v = tl.load(
+            v_base
+            + block[:, None] * stride_vb
+            + offset[:, None] * stride_vs
+            + dims[None, :] * stride_vd,
+            mask=kv_mask,
+            other=0.0,
+        ).to(tl.float32)  # [N, D]
+        scores = tl.dot(q, tl.trans(k.to(MMA_DTYPE)), input_precision=PRECISION) * scale  # [M, N]
+        if CAUSAL:
+            visible = key_valid[None, :] & (keys[None, :] <= position[:, None])
+        else:
+            visible = key_valid[None, :] & row_valid[:, None]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # A row that has seen no key yet keeps m = -inf: shift it by 0 (its weights are 0).
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - shift)
+        p = tl.exp2(scores - shift[:, None])  # [M, N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc += tl.dot(p.to(MMA_DTYPE), v.to(MMA_DTYPE), input_precision=PRECISION)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(
+        seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf")
+    )
+    o_offsets = q_row[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od
+    o_offsets += split * stride_os
+    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    l_offsets = split * stride_ls + q_row * stride_lt + head * stride_lh
+    tl.store(lse_ptr + l_offsets, lse, mask=row_valid)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_out_ptr,  # [splits, T, H, D] fp32, partial outs over disjoint key ranges
+    part_lse_ptr,  # [splits, T, H] fp32, -inf where a split saw no key
+    rows_ptr,  # [N] the q rows to combine
+    out_ptr,  # [T, H, D] q's dtype
+    lse_ptr,  # [T, H] fp32
+    num_pairs,  # N * H
+    num_splits,
+    num_heads,
+    head_dim,
+    stride_pos,
+    stride_pot,
+    stride_poh,
+    stride_pod,
+    stride_pls,
+    stride_plt,
+    stride_plh,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_lt,
+    stride_lh,
+    BLOCK_P: tl.constexpr,  # (row, head) pairs per program
+    BLOCK_D: tl.constexpr,
+):
+    pairs = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
+    pair_valid = pairs < num_pairs
+    row = tl.load(rows_ptr + pairs // num_heads, mask=pair_valid, other=0).to(tl.int64)
+    head = pairs % num_heads
+    dims = tl.arange(0, BLOCK_D)
+    mask = pair_valid[:, None] & (dims[None, :] < head_dim)
+    lse_base = part_lse_ptr + row * stride_plt + head * stride_plh  # [P]
+    top = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
+    for split in range(0, num_splits):
+        part = tl.load(lse_base + split * stride_pls, mask=pair_valid, other=float("-inf"))
+        top = tl.maximum(top, part)
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros([BLOCK_P], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_P, BLOCK_D], dtype=tl.float32)
+    out_base = part_out_ptr + row[:, None] * stride_pot + head[:, None] * stride_poh
+    out_base += dims[None, :] * stride_pod
+    for split in range(0, num_splits):
+        part = tl.load(lse_base + split * stride_pls, mask=pair_valid, other=float("-inf"))
+        weight = tl.exp(part - shift)  # 0 for a split that saw no key (its out is unset)
+        used = weight > 0.0
+        part_out = tl.load(out_base + split * stride_pos, mask=mask & used[:, None], other=0.0)
+        acc += tl.where(used[:, None], weight[:, None] * part_out, 0.0)
+        total += weight
+    seen = total > 0.0
+    out = acc / tl.where(seen, total, 1.0)[:, None]
+    lse = tl.where(seen, shift + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+    tl.store(
+        out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(lse_ptr + row * stride_lt + head * stride_lh, lse, mask=pair_valid)
+
+
+@triton.jit
+def _merge_kernel(
+    a_out_ptr,  # [T, H, D]
+    a_lse_ptr,  # [T, H]
+    b_out_ptr,  # [T, H, D] (unused unless HAS_B)
+    b_lse_ptr,
+    out_ptr,  # [T, H, D]
+    lse_ptr,  # [T, H] fp32
+    num_pairs,  # T * H
+    num_heads,
+    head_dim,
+    stride_aot,
+    stride_aoh,
+    stride_aod,
+    stride_alt,
+    stride_alh,
+    stride_bot,
+    stride_boh,
+    stride_bod,
+    stride_blt,
+    stride_blh,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_lt,
+    stride_lh,
+    HAS_B: tl.constexpr,
+    BLOCK_P: tl.constexpr,  # (token, head) pairs per program
+    BLOCK_D: tl.constexpr,
+):
+    pairs = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
+    pair_valid = pairs < num_pairs
+    token = pairs // num_heads
+    head = pairs % num_heads
+    dims = tl.arange(0, BLOCK_D)
+    mask = pair_valid[:, None] & (dims[None, :] < head_dim)
+    a_lse = tl.load(a_lse_ptr + token * stride_alt + head * stride_alh, mask=pair_valid, other=0.0)
+    a_lse = a_lse.to(tl.float32)
+    a_out = tl.load(
+        a_out_ptr
+        + token[:, None] * stride_aot
+        + head[:, None] * stride_aoh
+        + dims[None, :] * stride_aod,
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
+    if HAS_B:
+        b_lse = tl.load(
+            b_lse_ptr + token * stride_blt + head * stride_blh, mask=pair_valid, other=0.0
+        )
+        b_lse = b_lse.to(tl.float32)
+        b_out = tl.load(
+            b_out_ptr
+            + token[:, None] * stride_bot
+            + head[:, None] * stride_boh
+            + dims[None, :] * stride_bod,
+            mask=mask,
+            other=0.0,
+        ).to(tl.float32)
+        top = tl.maximum(a_lse, b_lse)
+        shift = tl.where(top == float("-inf"), 0.0, top)
+        a_weight = tl.exp(a_lse - shift)
+        b_weight = tl.exp(b_lse - shift)
+        total = a_weight + b_weight
+        lse = tl.where(
+            total > 0.0, shift + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf")
+        )
+        lse = tl.where(top == float("inf"), float("inf"), lse)
+        # lse - merged lse, as the reference weighs each part: 0 for a part with lse -inf.
+        merged_shift = tl.where(lse == float("-inf"), 0.0, lse)
+        a_weight = tl.exp(a_lse - merged_shift)
+        b_weight = tl.exp(b_lse - merged_shift)
+        out = tl.where(a_weight[:, None] > 0.0, a_weight[:, None] * a_out, 0.0)
+        out += tl.where(b_weight[:, None] > 0.0, b_weight[:, None] * b_out, 0.0)
+    else:
+        lse = a_lse
+        a_weight = tl.exp(a_lse - tl.where(lse == float("-inf"), 0.0, lse))
+        out = tl.where(a_weight[:, None] > 0.0, a_weight[:, None] * a_out, 0.0)
+    tl.store(
+        out_ptr
+        + token[:, None] * stride_ot
+        + head[:, None] * stride_oh
+        + dims[None, :] * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(lse_ptr + token * stride_lt + head * stride_lh, lse, mask=pair_valid)
+
+
+# ---------------------------------------------------------------- launch configuration
+
+_INTERPRETED = type(_paged_attention_kernel).__name__ == "InterpretedFunction"
+
+
+def _check_scale(scale: object) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale!r}")
+    return float(scale)
+
+
+def _check_device(tensor: Tensor) -> None:
+    if tensor.device.type == "cpu" and not _INTERPRETED:
+        raise RuntimeError(
+            "the Triton kernels got CPU tensors but run compiled; set TRITON_INTERPRET=1 "
+            "before triton is first imported to run them in the interpreter"
+        )
+
+
+def _check_head_dim(head_dim: int) -> None:
+    if not 1 <= head_dim <= _MAX_HEAD_DIM:
+        raise ValueError(f"the Triton kernels support head_dim 1..{_MAX_HEAD_DIM}, got {head_dim}")
+
+
+def _check_batch_index(name: str, value: Tensor, ndim: int) -> None:
+    if not isinstance(value, Tensor) or value.dim() != ndim or value.dtype not in _INDEX_DTYPES:
+        got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, Tensor) else type(value)
+        raise ValueError(f"batch.{name} must be a {ndim}-D int32/int64 tensor, got {got}")
+    if ndim == 2 and value.shape[1] > 0 and value.stride(1) != 1:
+        raise ValueError(f"batch.{name} must have unit stride along its last dimension")
+    if ndim == 1 and value.numel() > 1 and value.stride(0) != 1:
+        raise ValueError(f"batch.{name} must be contiguous")
+
+
+def _tile_config(q: Tensor, max_rows: int, group: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) for one launch.
+
+    BLOCK_M: packed rows (rows x heads of a group), the smallest power of two >= 16 that
+    holds the batch's largest piece, up to a cap, and at least one group. The caps keep
+    sm_90 builds free of register spills: fp16/bf16 128 packed rows (64 past head_dim
+    128); fp32 (exact products on the FMA units, no tensor cores) 64 rows by 32 keys up
+    to head_dim 64, 32 by 16 up to 128, 16 by 16 beyond.
+    """
+    head_dim = q.shape[2]
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if q.dtype == torch.float32:
+        cap, block_n = (64, 32) if block_d <= 64 else (32, 16) if block_d <= 128 else (16, 16)
+    else:
+        cap, block_n = (128, 64) if block_d <= 128 else (64, 32)
+    block_m = max(16, min(cap, triton.next_power_of_2(max(1, max_rows * group))))
+    block_m = max(block_m, triton.next_power_of_2(group))
+    num_warps = 8 if q.dtype == torch.float32 or block_m * block_d >= 128 * 128 else 4
+    return block_m, block_n, block_d, num_warps, 2
+
+
+def _mma(q: Tensor) -> tuple[object, str]:
+    """Operand dtype and input precision of the kernels' two matrix products."""
+    if q.device.type == "cpu" or q.dtype == torch.float32:
+        return tl.float32, "ieee"
+    return (tl.float16 if q.dtype == torch.float16 else tl.bfloat16), "tf32"  # ignored: 16-bit
+
+
+class _Plan(NamedTuple):
+    """Launch metadata of one batch and configuration, derived once from host fields."""
+
+    config: tuple[int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_D, num_warps, stages
+    work: Tensor  # [W, 6] int32 work items on the batch's device
+    num_splits: int  # > 1: partial states per key split, then a combine kernel
+
+
+def _target_programs(device: torch.device) -> int:
+    """Programs one launch should have to fill the device: 2 per SM on a GPU. Under the
+    interpreter (CPU) 0, so nothing is split (tests raise it to exercise key splits)."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return 2 * _SM_COUNTS[index]
+
+
+_SM_COUNTS: dict[int, int] = {}
+# Key splits of a long segment read by few row tiles (flash-decoding): at least this many
+# keys per split, at most this many splits.
+SPLIT_MIN_KEYS = 256
+MAX_SPLITS = 16
+
+
+def _work_tensor(items: list[tuple[int, ...]], device: torch.device) -> Tensor:
+    host = torch.tensor(items, dtype=torch.int32).reshape(-1, 6)
+    if device.type == "cuda":  # once per step, and without a host-device sync
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def _prefix_plan(batch: PrefixBatch, config: tuple, group: int, num_kv_heads: int) -> _Plan:
+    """Items (segment, first index into batch.rows, count, key_begin, key_end, split):
+    segments longest first, then key splits, then row tiles (the tiles of one split read
+    the same K/V one after another, from L2)."""
+    rows_per_tile = config[0] // group
+    starts, lengths = batch.host_row_start, batch.host_lengths
+    segments = [s for s in range(len(lengths)) if lengths[s] > 0 and starts[s + 1] > starts[s]]
+    segments.sort(key=lambda s: -lengths[s])  # a segment of length 0: out 0, lse -inf
+    tiles = sum(-(-(starts[s + 1] - starts[s]) // rows_per_tile) for s in segments)
+    num_splits = 1
+    programs = tiles * num_kv_heads
+    target = _target_programs(batch.rows.device)
+    if 0 < programs < target:
+        longest = max(lengths[s] for s in segments)
+        num_splits = max(1, min(-(-target // programs), longest // SPLIT_MIN_KEYS, MAX_SPLITS))
+    block_n = config[1]
+    items = []
+    used_splits = 1
+    for s in segments:
+        length = lengths[s]
+        # Splits hold whole key tiles and at least SPLIT_MIN_KEYS keys.
+        chunk = max(-(-length // num_splits), min(SPLIT_MIN_KEYS, length))
+        chunk = -(-chunk // block_n) * block_n
+        used_splits = max(used_splits, -(-length // chunk))
+        for split, key_begin in enumerate(range(0, length, chunk)):
+            key_end = min(length, key_begin + chunk)
+            for first in range(starts[s], starts[s + 1], rows_per_tile):
+                count = min(rows_per_tile, starts[s + 1] - first)
+                items.append((s, first, count, key_begin, key_end, split))
+    return _Plan(config, _work_tensor(items, batch.rows.device), used_splits)
+
+
+def _own_plan(batch: OwnBatch, config: tuple, group: int, num_kv_heads: int) -> _Plan:
+    """Items (request, first q row, count, 0, key_end = last row's position + 1, 0), the
+    tiles with most keys first."""
+    rows_per_tile = config[0] // group
+    starts, lengths = batch.host_query_start, batch.host_context_lens
+    items = []
+    for b, length in enumerate(lengths):
+        begin, end = starts[b], starts[b + 1]
+        for first in range(begin, end, rows_per_tile):
+            count = min(rows_per_tile, end - first)
+            items.append((b, first, count, 0, length - (end - first) + count, 0))
+    items.sort(key=lambda item: -item[4])
+    return _Plan(config, _work_tensor(items, batch.query_start.device), 1)
+
+
+def _plan(batch, q: Tensor, k_cache: Tensor, group: int, max_rows: int, plan_of) -> _Plan:
+    """The batch's plan for this configuration, derived on first use (host fields only)."""
+    config = _tile_config(q, max_rows, group)
+    key = ("triton", q.shape[1], k_cache.shape[2], q.shape[2], config)
+    if key not in batch.derived:
+        batch.derived[key] = plan_of(batch, config, group, k_cache.shape[2])
+    return batch.derived[key]
+
+
+def _launch_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    scale: float,
+    group: int,
+    plan: _Plan,
+    rows: Tensor,
+    table: Tensor,
+    causal: bool,
+) -> AttentionOutput:
+    block_m, block_n, block_d, num_warps, num_stages = plan.config
+    num_rows, num_heads, head_dim = q.shape
+    out = torch.zeros_like(q)  # rows no work item covers keep out 0 and lse -inf
+    lse = torch.full((num_rows, num_heads), -math.inf, dtype=torch.float32, device=q.device)
+    num_kv_heads = k_cache.shape[2]
+    if plan.work.shape[0] == 0 or num_heads == 0 or head_dim == 0:
+        return AttentionOutput(out, lse)
+    if plan.num_splits > 1:
+        # [splits, T, H, D] fp32 partial states; a split that never runs for a row stays -inf.
+        part_out = torch.empty((plan.num_splits, *q.shape), dtype=torch.float32, device=q.device)
+        part_lse = torch.full(
+            (plan.num_splits, num_rows, num_heads), -math.inf, dtype=torch.float32, device=q.device
+        )
+        target_out, target_lse = part_out, part_lse
+        split_strides = (part_out.stride(0), part_lse.stride(0))
+    else:
+        target_out, target_lse = out, lse
+        split_strides = (0, 0)
+    mma, precision = _mma(q)
+    _paged_attention_kernel[(plan.work.shape[0], num_kv_heads)](
+        q,
+        k_cache,
+        v_cache,
+        target_out,
+        target_lse,
+        plan.work,
+        rows,
+        table,
+        scale * _LOG2E,
+        k_cache.shape[1],
+        head_dim,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        split_strides[0],
+        *target_out.stride()[-3:],
+        split_strides[1],
+        *target_lse.stride()[-2:],
+        table.stride(0),
+        GROUP=group,
+        INDIRECT=not causal,
+        CAUSAL=causal,
+        MMA_DTYPE=mma,
+        PRECISION=precision,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if plan.num_splits > 1:
+        num_pairs = rows.shape[0] * num_heads
+        block_p = max(1, min(64, 4096 // block_d))
+        _combine_splits_kernel[(triton.cdiv(num_pairs, block_p),)](
+            part_out,
+            part_lse,
+            rows,
+            out,
+            lse,
+            num_pairs,
+            plan.num_splits,
+            num_heads,
+            head_dim,
+            *part_out.stride(),
+            *part_lse.stride(),
+            *out.stride(),
+            *lse.stride(),
+            BLOCK_P=block_p,
+            BLOCK_D=block_d,
+            num_warps=4,
+        )
+    return AttentionOutput(out, lse)
+
+
+# ---------------------------------------------------------------- public operations
+
+
+def store_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    """Write this step's keys and values into the paged cache, in place.
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], any strides
+    k, v:             [T, num_kv_heads, head_dim], the cache's dtype and device, any strides
+    slot_mapping:     [T] int64 or int32; token t goes to block slot // block_size at
+                      offset slot % block_size. Slots outside [0, num_blocks * block_size)
+                      (e.g. -1 padding) are skipped, not checked (that would need a sync).
+    """
+    layout = "[num_blocks, block_size, num_kv_heads, head_dim]"
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(cache, Tensor) or cache.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor {layout}")
+        if cache.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {cache.dtype}")
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} != k_cache "
+            f"{tuple(k_cache.shape)} {k_cache.dtype}"
+        )
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    for name, value in (("k", k), ("v", v)):
+        if not isinstance(value, Tensor) or value.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor [tokens, num_kv_heads, head_dim]")
+        if tuple(value.shape[1:]) != (num_kv_heads, head_dim):
+            raise ValueError(
+                f"{name} must be [tokens, num_kv_heads, head_dim] with num_kv_heads "
+                f"{num_kv_heads} and head_dim {head_dim} (from k_cache), got {tuple(value.shape)}"
+            )
+        if value.dtype != k_cache.dtype:
+            raise TypeError(f"{name} dtype {value.dtype} != k_cache dtype {k_cache.dtype}")
+    if v.shape != k.shape:
+        raise ValueError(f"v shape {tuple(v.shape)} != k shape {tuple(k.shape)}")
+    if not isinstance(slot_mapping, Tensor) or slot_mapping.dim() != 1:
+        raise ValueError("slot_mapping must be a 1-D tensor [tokens]")
+    if slot_mapping.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    if slot_mapping.shape[0] != k.shape[0]:
+        raise ValueError(
+            f"slot_mapping has {slot_mapping.shape[0]} slots but k has {k.shape[0]} tokens"
+        )
+    devices = {t.device for t in (k_cache, v_cache, k, v, slot_mapping)}
+    if len(devices) != 1:
+        raise ValueError(
+            f"store_kv needs all tensors on one device, got {sorted(map(str, devices))}"
+        )
+    if k.shape[0] == 0 or num_kv_heads == 0 or head_dim == 0:
+        return
+    _check_device(k)
+    _check_head_dim(head_dim)
+    if slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1:
+        slot_mapping = slot_mapping.contiguous()
+    _store_kv_kernel[(k.shape[0],)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        num_blocks * block_size,
+        block_size,
+        num_kv_heads,
+        head_dim,
+        *k.stride(),
+        *v.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 2,
+    )
+
+
+def own_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, batch: OwnBatch, scale: float
+) -> AttentionOutput:
+    """Each request's query rows against its own paged K/V, causal, variable length.
+
+    q:       [T, num_heads, head_dim], T = batch.num_rows, any strides
+    k_cache,
+    v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype and device, any
+             strides, already holding this step's tokens
+    batch:   OwnBatch from own_batch()
+    Returns AttentionOutput(out [T, num_heads, head_dim] q.dtype, lse [T, num_heads] fp32).
+    """
+    group = check_launch(q, k_cache, v_cache, batch, OwnBatch)
+    scale = _check_scale(scale)
+    _check_device(q)
+    _check_head_dim(q.shape[2])
+    _check_batch_index("block_tables", batch.block_tables, 2)
+    plan = _plan(batch, q, k_cache, group, batch.max_query_rows, _own_plan)
+    table = batch.block_tables
+    return _launch_attention(q, k_cache, v_cache, scale, group, plan, table, table, causal=True)
+
+
+def prefix_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, batch: PrefixBatch, scale: float
+) -> AttentionOutput:
+    """The q rows of every request sharing a segment against ONE copy of its K/V,
+    non-causal, for every segment of the batch.
+
+    q:       [T, num_heads, head_dim], T = batch.num_rows, any strides
+    k_cache,
+    v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype and device, any
+             strides
+    batch:   PrefixBatch from prefix_batch()
+    Returns AttentionOutput(out [T, num_heads, head_dim] q.dtype, lse [T, num_heads] fp32);
+    rows in no segment get out 0 and lse -inf.
+    """
+    group = check_launch(q, k_cache, v_cache, batch, PrefixBatch)
+    scale = _check_scale(scale)
+    _check_device(q)
+    _check_head_dim(q.shape[2])
+    _check_batch_index("block_tables", batch.block_tables, 2)
+    _check_batch_index("rows", batch.rows, 1)
+    plan = _plan(batch, q, k_cache, group, batch.max_segment_rows, _prefix_plan)
+    return _launch_attention(
+        q, k_cache, v_cache, scale, group, plan, batch.rows, batch.block_tables, causal=False
+    )
+
+
+def _check_parts(parts: object) -> list[tuple[Tensor, Tensor]]:
+    if isinstance(parts, Tensor) or not isinstance(parts, Sequence):
+        raise TypeError(f"parts must be a sequence of (out, lse) pairs, got {type(parts).__name__}")
+    if len(parts) == 0:
+        raise ValueError("parts must hold at least one (out, lse) pair, got none")
+    checked: list[tuple[Tensor, Tensor]] = []
+    for index, part in enumerate(parts):
+        if not isinstance(part, (tuple, list)) or len(part) != 2:
+            raise TypeError(f"parts[{index}] must be an (out, lse) pair, got {part!r:.80}")
+        out, lse = part
+        if not isinstance(out, Tensor) or out.dim() != 3:
+            raise ValueError(f"parts[{index}] out must be a [tokens, num_heads, head_dim] tensor")
+        if not isinstance(lse, Tensor) or lse.dim() != 2:
+            raise ValueError(f"parts[{index}] lse must be a [tokens, num_heads] tensor")
+        if out.dtype not in _FLOAT_DTYPES or lse.dtype not in _FLOAT_DTYPES:
+            raise TypeError(
+                f"parts[{index}] out and lse must be floating point, got {out.dtype}, {lse.dtype}"
+            )
+        if tuple(lse.shape) != tuple(out.shape[:2]):
+            raise ValueError(
+                f"parts[{index}] lse shape {tuple(lse.shape)} != out shape[:2] "
+                f"{tuple(out.shape[:2])}"
+            )
+        if checked:
+            first = checked[0][0]
+            if out.shape != first.shape or out.dtype != first.dtype:
+                raise ValueError(
+                    f"parts[{index}] out is {tuple(out.shape)} {out.dtype} but parts[0] out is "
+                    f"{tuple(first.shape)} {first.dtype}"
+                )
+        if out.device != lse.device or (checked and out.device != checked[0][0].device):
+            raise ValueError(f"parts[{index}] is not on parts[0]'s device")
+        checked.append((out, lse))
+    return checked
+
+
+def _merge_pair(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor] | None, out_dtype) -> tuple:
+    a_out, a_lse = a
+    num_tokens, num_heads, head_dim = a_out.shape
+    out = torch.empty(a_out.shape, dtype=out_dtype, device=a_out.device)
+    lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=a_out.device)
+    num_pairs = num_tokens * num_heads
+    if num_pairs == 0 or head_dim == 0:
+        return out, lse.fill_(-math.inf)
+    b_out, b_lse = b if b is not None else (a_out, a_lse)
+    block_d = triton.next_power_of_2(head_dim)
+    block_p = max(1, min(64, 4096 // block_d))
+    _merge_kernel[(triton.cdiv(num_pairs, block_p),)](
+        a_out,
+        a_lse,
+        b_out,
+        b_lse,
+        out,
+        lse,
+        num_pairs,
+        num_heads,
+        head_dim,
+        *a_out.stride(),
+        *a_lse.stride(),
+        *b_out.stride(),
+        *b_lse.stride(),
+        *out.stride(),
+        *lse.stride(),
+        HAS_B=b is not None,
+        BLOCK_P=block_p,
+        BLOCK_D=block_d,
+        num_warps=4,
+    )
+    return out, lse
+
+
+def merge_attention_states(parts: Sequence[tuple[Tensor, Tensor]]) -> AttentionOutput:
+    """Merge attention results of the same query rows over disjoint key sets.
+
+    parts: one or more (out [T, num_heads, head_dim], lse [T, num_heads]) pairs, outs of
+           one dtype, all on one device, any strides; a part with lse -inf at a row is
+           ignored there (its out may be NaN).
+    Returns AttentionOutput(out in the parts' out dtype, lse fp32); rows where every part
+    is -inf get out 0, lse -inf. More than two parts fold pairwise in fp32.
+    """
+    checked = _check_parts(parts)
+    _check_device(checked[0][0])
+    out_dtype = checked[0][0].dtype
+    if len(checked) == 1:
+        return AttentionOutput(*_merge_pair(checked[0], None, out_dtype))
+    state = checked[0]
+    for index, part in enumerate(checked[1:], start=2):
+        dtype = out_dtype if index == len(checked) else torch.float32
+        state = _merge_pair(state, part, dtype)
+    return AttentionOutput(*state)
