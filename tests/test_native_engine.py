@@ -7,6 +7,7 @@ attention merged by log-sum-exp: none of it may change a single token.
 from __future__ import annotations
 
 import pytest
+import torch
 from test_hf_backend import SYSTEM, assert_matches_hf, check_eos_hit_mid_batch, three_level_prompts
 
 from llm_operator import LLMOperator, SamplingParams
@@ -76,6 +77,23 @@ def test_interpreted_triton_kernels_match_hf(tiny_qwen3_dir, monkeypatch):
     assert_matches_hf(op, tiny_qwen3_dir, prompts, results, 3, ignore_eos=True)
     assert calls["own_attention"] > 0 and calls["prefix_attention"] > 0
     assert op.last_stats.prefill_tokens_computed == op.last_stats.planned_prefill_tokens
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_and_mostly_agrees_with_fp32(tiny_llama_dir, dtype):
+    """The bf16/fp16 path (the GPU's dtypes) on the CPU: model, cache and attention in the
+    half dtype, every row completes, sharing still prefills the planner's minimum, and
+    the first tokens mostly match fp32 (rounding may flip a near tie, never most rows)."""
+    prompts = three_level_prompts()
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    full = LLMOperator(tiny_llama_dir, backend="native").generate(prompts, params)
+    op = LLMOperator(tiny_llama_dir, backend="native", dtype=dtype)
+    half = op.generate(prompts, params)
+    assert next(op.backend().model.parameters()).dtype == getattr(torch, dtype)
+    assert [r.completion_tokens for r in half] == [4] * len(prompts)
+    assert op.last_stats.prefill_tokens_computed == op.last_stats.planned_prefill_tokens
+    agree = sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(full, half))
+    assert agree >= 0.8 * len(prompts)
 
 
 def test_pool_smaller_than_the_group_runs_in_waves_with_preemption(tiny_qwen3_dir):
