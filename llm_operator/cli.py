@@ -45,7 +45,7 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", default="auto", choices=["auto", "hf", "native"])
+    parser.add_argument("--backend", default="auto", choices=["auto", "hf", "native", "vllm"])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-batch-size", type=int, default=64)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 BACKENDS = ("auto", "hf", "native", "vllm")
 _SIZE_UNITS = {
@@ -61,7 +63,8 @@ class EngineConfig:
 
     backend: "auto" (native for Llama, Qwen2, Qwen3 and Mistral, hf otherwise), "hf"
         (transformers' forward), "native" (our own forward over a paged KV cache with
-        pinned prefixes); "vllm" is not built yet.
+        pinned prefixes), "vllm" (vLLM's engine fed in plan order; needs the vllm
+        package; "auto" never picks it).
     kv_cache_memory: bytes (or "2GiB") the KV cache may hold at once; "auto"
         takes a quarter of RAM on CPU (at most 8 GiB) or 80% of free GPU memory.
     max_batch_size: most rows decoding at once.
@@ -73,6 +76,9 @@ class EngineConfig:
     token_batching: native: new requests join the running batch in the iteration their
         KV blocks free (BATON); off (an ablation), requests run in waves of
         max_batch_size and a wave starts once the previous one has ended.
+    vllm_options: keyword arguments for ``vllm.LLM`` (backend "vllm"), over the
+        backend's batch defaults; given as a mapping, kept as sorted (name, value) pairs
+        so the config stays hashable (values must be hashable too).
     """
 
     backend: str = "auto"
@@ -88,14 +94,12 @@ class EngineConfig:
     token_batching: bool = True
     trust_remote_code: bool = False
     progress: bool = False
+    vllm_options: Mapping[str, Any] | tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
-        if self.backend == "vllm":
-            raise ValueError(
-                f"backend={self.backend!r} is not available yet; use backend='hf' or 'auto'"
-            )
+        object.__setattr__(self, "vllm_options", _option_items(self.vllm_options))
         parse_memory_size(self.kv_cache_memory)
         for name in (
             "max_batch_size",
@@ -121,3 +125,19 @@ class EngineConfig:
     @property
     def kv_cache_bytes(self) -> int | None:
         return parse_memory_size(self.kv_cache_memory)
+
+
+def _option_items(options) -> tuple[tuple[str, Any], ...]:
+    """vllm_options as sorted (name, value) pairs, from a mapping or such pairs."""
+    if options is None:
+        return ()
+    try:
+        items = dict(options)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"vllm_options must be a mapping of vllm.LLM keyword arguments, got {options!r}"
+        ) from None
+    for name in items:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"vllm_options names must be keyword names, got {name!r}")
+    return tuple(sorted(items.items()))

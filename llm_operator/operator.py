@@ -50,6 +50,7 @@ class LLMOperator:
         trust_remote_code: bool = False,
         progress: bool = False,
         cache_dir: str | os.PathLike | None = None,
+        vllm_options: Mapping[str, Any] | None = None,
     ) -> None:
         from transformers import AutoConfig
 
@@ -69,7 +70,12 @@ class LLMOperator:
             token_batching=token_batching,
             trust_remote_code=trust_remote_code,
             progress=progress,
+            vllm_options=vllm_options or (),
         )
+        if backend == "vllm":
+            from llm_operator.engine.vllm_backend import require_vllm
+
+            require_vllm()
         self.model = resolve_model(model, cache_dir=cache_dir, trust_remote_code=trust_remote_code)
         self.tokenizer = load_tokenizer(self.model.path, trust_remote_code=trust_remote_code)
         self.model_config = AutoConfig.from_pretrained(
@@ -107,6 +113,8 @@ class LLMOperator:
 
     def backend(self) -> Backend:
         """The backend, loading the model on first use."""
+        if self._backend is None and self.backend_name == "vllm":
+            self._backend = self._vllm_backend()
         if self._backend is None and self.backend_name == "native":
             self._backend = self._native_backend()
         if self._backend is None and not self.config.token_batching:
@@ -135,6 +143,21 @@ class LLMOperator:
                 kv_cache_bytes=self.config.kv_cache_bytes or _auto_kv_cache_bytes(device),
             )
         return self._backend
+
+    def _vllm_backend(self) -> Backend:
+        from llm_operator.engine.vllm_backend import VLLMBackend, eos_token_ids_of
+
+        return VLLMBackend(
+            str(self.model.path),
+            self.tokenizer,
+            max_context=self.max_context,
+            eos_token_ids=eos_token_ids_of(self.model.path, self.tokenizer),
+            dtype=self.config.dtype,
+            kv_cache_bytes=self.config.kv_cache_bytes,
+            max_batch_size=self.config.max_batch_size,
+            trust_remote_code=self.config.trust_remote_code,
+            options=dict(self.config.vllm_options),
+        )
 
     def _native_backend(self) -> Backend:
         from llm_operator.engine.hf import eos_token_ids

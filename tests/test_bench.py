@@ -8,8 +8,16 @@ import pytest
 
 from llm_operator.cli import main
 
-OUR_SYSTEMS = ("hf", "hf-noshare", "hf-nodecodefirst", "native", "native-noshare", "native-notokenbatch")
+OUR_SYSTEMS = (
+    "hf",
+    "hf-noshare",
+    "hf-nodecodefirst",
+    "native",
+    "native-noshare",
+    "native-notokenbatch",
+)
 STATIC_SYSTEMS = ("hf-static", "hf-static-shuffled")
+VLLM_SYSTEMS = ("vllm", "vllm-plan")  # plain vLLM, and our backend="vllm" (both need the venv)
 RECORD_FIELDS = (
     "system",
     "workload",
@@ -34,7 +42,7 @@ RECORD_FIELDS = (
 @pytest.fixture(scope="module")
 def quick_report(tiny_llama_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    systems = ",".join((*STATIC_SYSTEMS, *OUR_SYSTEMS, "vllm"))
+    systems = ",".join((*STATIC_SYSTEMS, *OUR_SYSTEMS, *VLLM_SYSTEMS))
     code = main(
         [
             "bench",
@@ -66,9 +74,10 @@ def test_quick_run_writes_every_field(quick_report):
     assert report["size"] == "tiny" and report["repeat"] == 2
     names = [w["name"] for w in report["workloads"]]
     assert names == ["etl-fewshot", "doc-qa", "table-rows", "no-sharing"]
-    assert len(report["results"]) == len(names) * (len(STATIC_SYSTEMS) + len(OUR_SYSTEMS) + 1)
+    systems = len(STATIC_SYSTEMS) + len(OUR_SYSTEMS) + len(VLLM_SYSTEMS)
+    assert len(report["results"]) == len(names) * systems
     for record in report["results"]:
-        if record["system"] == "vllm":
+        if record["system"] in VLLM_SYSTEMS:
             continue
         assert record["status"] == "ok", record
         for field in RECORD_FIELDS:
@@ -83,7 +92,9 @@ def test_quick_run_writes_every_field(quick_report):
 
 def test_vllm_without_its_venv_is_skipped_with_the_reason(quick_report):
     _, report = quick_report
-    for record in (r for r in report["results"] if r["system"] == "vllm"):
+    skipped = [r for r in report["results"] if r["system"] in VLLM_SYSTEMS]
+    assert len(skipped) == 2 * len(report["workloads"])
+    for record in skipped:
         assert record["status"] == "skipped"
         assert "vllm-env" in record["error"]
 

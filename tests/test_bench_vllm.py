@@ -194,3 +194,25 @@ def test_bad_job_raises_with_the_reason(tmp_path: Path) -> None:
 def test_explicit_python_without_vllm_is_unavailable(tmp_path: Path) -> None:
     with pytest.raises(VLLMUnavailable, match="make vllm-env"):
         find_vllm_python(str(tmp_path / "python"))
+
+
+def test_bench_runs_the_vllm_backend_beside_plain_vllm(vllm_llama_dir, tmp_path):
+    """`vllm-plan` (LLMOperator(backend="vllm") in a worker in the vLLM venv) gives
+    hf-static's greedy answers and prefills no more than plain vLLM in input order."""
+    import json
+
+    from llm_operator.cli import main
+
+    systems = "hf-static,vllm-plan,vllm"
+    args = ["bench", "--quick", "--size", "tiny", "--model", str(vllm_llama_dir)]
+    args += ["--systems", systems, "--workloads", "etl-fewshot,doc-qa", "--vllm-eager"]
+    args += ["--vllm-block-size", str(BLOCK_SIZE), "--out", str(tmp_path), "--name", "v"]
+    assert main(args) == 0
+    report = json.loads((tmp_path / "v.json").read_text())
+    by = {(r["system"], r["workload"]): r for r in report["results"]}
+    for workload in report["workloads"]:
+        plan, plain = by["vllm-plan", workload["name"]], by["vllm", workload["name"]]
+        assert plan["status"] == "ok" == plain["status"], (plan, plain)
+        assert plan["agreement_with_hf_static"] == 1.0
+        assert workload["min_prefill_tokens"] <= plan["prefill_tokens_computed"]
+        assert plan["prefill_tokens_computed"] <= plain["prefill_tokens_computed"]

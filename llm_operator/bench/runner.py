@@ -102,8 +102,10 @@ def run_worker_system(
     options: dict[str, Any],
     timeout: float | None,
     log: Log,
+    python: str | None = None,
 ) -> dict:
-    """Run a "static" or "operator" system in a ``bench.worker`` subprocess; its RESULT dict."""
+    """Run a "static" or "operator" system in a ``bench.worker`` subprocess (in ``python``,
+    default this interpreter); its RESULT dict."""
     job = {
         "system": spec.name,
         "kind": spec.kind,
@@ -126,7 +128,7 @@ def run_worker_system(
         job_path, result_path = Path(folder) / "job.json", Path(folder) / "result.json"
         job_path.write_text(json.dumps(job))
         command = [
-            sys.executable,
+            python or sys.executable,
             "-m",
             "llm_operator.bench.worker",
             str(job_path),

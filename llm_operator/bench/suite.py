@@ -20,6 +20,7 @@ from llm_operator.bench.runner import (
     run_worker_system,
 )
 from llm_operator.bench.systems import BASELINE, parse_systems
+from llm_operator.bench.vllm_systems import VLLMUnavailable, find_vllm_python
 
 
 def parse_workloads(text: str | None) -> list[str]:
@@ -99,8 +100,24 @@ def run_benchmark(
     for index, spec in enumerate(worker_specs, 1):
         log(f"bench: [{index}/{len(specs)}] {spec.name}: {spec.description}")
         options = {"batch_size": static_batch_size} if spec.kind == "static" else {}
+        python = None
+        if spec.python == "vllm":
+            try:
+                python = find_vllm_python(vllm_python)
+            except VLLMUnavailable as error:
+                raw[spec.name] = {"skipped": str(error)}
+                log(f"bench: {spec.name} not measured: {error}")
+                continue
+            options = _vllm_backend_options(prepared, kv_cache_gib, vllm_block_size, vllm_eager)
         raw[spec.name] = run_worker_system(
-            spec, model_path, prepared, repeat=repeat, options=options, timeout=timeout, log=log
+            spec,
+            model_path,
+            prepared,
+            repeat=repeat,
+            options=options,
+            timeout=timeout,
+            log=log,
+            python=python,
         )
         if "error" in raw[spec.name]:
             log(f"bench: {spec.name} failed: {raw[spec.name]['error']}")
@@ -173,3 +190,26 @@ def run_benchmark(
     (out_dir / f"{name}.md").write_text(markdown_table(records, prepared))
     log(f"bench: wrote {out_dir / (name + '.json')} in {report['seconds']:.0f} s")
     return report
+
+
+def _vllm_backend_options(
+    prepared: list[dict], kv_cache_gib: float, block_size: int | None, eager: bool
+) -> dict[str, Any]:
+    """LLMOperator options for backend="vllm" under the plain vLLM systems' settings: the
+    same KV cache bytes and, when given, block size and eager start; the engine sized for
+    the longest row of any workload (so it starts once, outside the timed runs)."""
+    row_tokens = max(
+        len(ids) + max_tokens
+        for w in prepared
+        for ids, max_tokens in zip(w["token_ids"], w["max_tokens"])
+    )
+    vllm_options: dict[str, Any] = {}
+    if block_size is not None:
+        vllm_options["block_size"] = block_size
+    if eager:
+        vllm_options["enforce_eager"] = True
+    return {
+        "kv_cache_memory": int(kv_cache_gib * (1 << 30)),
+        "vllm_options": vllm_options,
+        "max_row_tokens": row_tokens,
+    }

@@ -21,6 +21,7 @@ class SystemSpec:
     description: str
     options: dict[str, Any] = field(default_factory=dict)
     shuffled: bool = False
+    python: str = "self"  # "vllm": the worker runs in the vLLM venv (backend="vllm")
 
 
 SYSTEMS: dict[str, SystemSpec] = {
@@ -80,6 +81,14 @@ SYSTEMS: dict[str, SystemSpec] = {
             "native without token batching: waves of 16 requests, each run to its end "
             "before the next is admitted (ablation)",
             {"backend": "native", "token_batching": False, "max_batch_size": 16},
+        ),
+        SystemSpec(
+            "vllm-plan",
+            "operator",
+            "llm-operator, vllm backend: the plan fed to vLLM group by group, in waves the "
+            "KV cache holds (prefix caching on, 32-token blocks on CPU)",
+            {"backend": "vllm"},
+            python="vllm",
         ),
         SystemSpec(
             "vllm",

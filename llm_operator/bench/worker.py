@@ -89,15 +89,22 @@ class OperatorSystem:
     def __init__(self, model: str, options: dict[str, Any]) -> None:
         from llm_operator import LLMOperator
 
+        options = dict(options)
+        row_tokens = options.pop("max_row_tokens", None)  # vllm: size the engine up front
         self.operator = LLMOperator(model, **options)
         with _Timer() as timer:
             backend = self.operator.backend()
+            if row_tokens is not None and hasattr(backend, "engine"):
+                backend.engine(int(row_tokens))  # vLLM starts here, not in a timed run
         self.load_seconds = timer.seconds
         self.device = getattr(backend, "device", None)
 
     def run(self, workload: dict[str, Any]) -> dict[str, Any]:
         from llm_operator import SamplingParams
 
+        llm = getattr(self.operator.backend(), "llm", None)
+        if llm is not None:  # backend="vllm": no run starts with another run's cached prefixes
+            llm.reset_prefix_cache()
         order = workload["order"]
         prompts = [workload["prompts"][row] for row in order]
         sampling = [SamplingParams(max_tokens=workload["max_tokens"][row]) for row in order]
