@@ -46,6 +46,9 @@ __all__ = [
     "OwnBatch",
     "PrefixBatch",
     "check_launch",
+    "check_merge_parts",
+    "check_scale",
+    "check_store",
     "merge_attention_states",
     "own_attention",
     "own_batch",
@@ -136,7 +139,8 @@ def _check_range(name: str, values: Tensor, upper: int) -> None:
         raise ValueError(f"{name} values must lie in [0, {upper}), got min {low} and max {high}")
 
 
-def _check_scale(scale: object) -> float:
+def check_scale(scale: object) -> float:
+    """The softmax scale as a finite float (shared by every implementation)."""
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
     if not math.isfinite(scale):
@@ -220,16 +224,9 @@ def _attend(
 # ---------------------------------------------------------------- public operations
 
 
-def store_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
-    """Write this step's keys and values into the paged cache, in place.
-
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
-    k, v:             [T, num_kv_heads, head_dim], the cache's dtype and device
-    slot_mapping:     [T] int64 (int32 accepted), distinct slots in
-                      [0, num_blocks * block_size); token t goes to block
-                      slot // block_size at offset slot % block_size.
-    Only those T slots change; the cache may have any strides.
-    """
+def check_store(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor):
+    """Shapes, dtypes and devices of store_kv's arguments (shared by every implementation;
+    slot values are not read). Returns (num_blocks, block_size)."""
     num_blocks, block_size, num_kv_heads, head_dim = _check_kv_cache(k_cache, v_cache)
     layout = "[tokens, num_kv_heads, head_dim]"
     for name, value in (("k", k), ("v", v)):
@@ -247,6 +244,20 @@ def store_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
         raise ValueError(
             f"slot_mapping has {slot_mapping.shape[0]} slots but k has {k.shape[0]} tokens"
         )
+    return num_blocks, block_size
+
+
+def store_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    """Write this step's keys and values into the paged cache, in place.
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    k, v:             [T, num_kv_heads, head_dim], the cache's dtype and device
+    slot_mapping:     [T] int64 (int32 accepted), distinct slots in
+                      [0, num_blocks * block_size); token t goes to block
+                      slot // block_size at offset slot % block_size.
+    Only those T slots change; the cache may have any strides.
+    """
+    num_blocks, block_size = check_store(k_cache, v_cache, k, v, slot_mapping)
     _check_range("slot_mapping", slot_mapping, num_blocks * block_size)
     slots = slot_mapping.long()
     block_ids, offsets = slots // block_size, slots % block_size  # [T], [T]
@@ -661,7 +672,7 @@ def own_attention(
     are derived once per batch and reused by every layer.
     """
     check_launch(q, k_cache, v_cache, batch, OwnBatch)
-    scale = _check_scale(scale)
+    scale = check_scale(scale)
     num_heads, head_dim = q.shape[1], q.shape[2]
     groups = _own_groups(batch, num_heads, k_cache.shape[2], head_dim)
     return _run_groups(q, k_cache, v_cache, groups, scale)
@@ -686,21 +697,14 @@ def prefix_attention(
     product per KV head); segments of similar length are batched together.
     """
     check_launch(q, k_cache, v_cache, batch, PrefixBatch)
-    scale = _check_scale(scale)
+    scale = check_scale(scale)
     num_heads, head_dim = q.shape[1], q.shape[2]
     groups = _prefix_groups(batch, num_heads, k_cache.shape[2], head_dim)
     return _run_groups(q, k_cache, v_cache, groups, scale)
 
 
-def merge_attention_states(parts: Sequence[tuple[Tensor, Tensor]]) -> AttentionOutput:
-    """Merge attention results of the same query rows over disjoint key sets.
-
-    parts: one or more (out [T, num_heads, head_dim], lse [T, num_heads]) pairs, outs of
-           one dtype, all on one device; lse may be -inf where a part saw no key (its out
-           there is ignored, even NaN).
-    Returns AttentionOutput(out = sum_i exp(lse_i - lse) * out_i in the parts' out dtype,
-    lse = logsumexp_i lse_i in fp32); rows where every part is -inf get out 0, lse -inf.
-    """
+def check_merge_parts(parts: object) -> tuple[list[Tensor], list[Tensor]]:
+    """Check merge_attention_states' parts (shared by every implementation); (outs, lses)."""
     if isinstance(parts, Tensor) or not isinstance(parts, Sequence):
         raise TypeError(f"parts must be a sequence of (out, lse) pairs, got {type(parts).__name__}")
     if len(parts) == 0:
@@ -729,6 +733,19 @@ def merge_attention_states(parts: Sequence[tuple[Tensor, Tensor]]) -> AttentionO
             raise ValueError(f"parts[{index}] is not on parts[0]'s device {outs[0].device}")
         outs.append(out)
         lses.append(lse)
+    return outs, lses
+
+
+def merge_attention_states(parts: Sequence[tuple[Tensor, Tensor]]) -> AttentionOutput:
+    """Merge attention results of the same query rows over disjoint key sets.
+
+    parts: one or more (out [T, num_heads, head_dim], lse [T, num_heads]) pairs, outs of
+           one dtype, all on one device; lse may be -inf where a part saw no key (its out
+           there is ignored, even NaN).
+    Returns AttentionOutput(out = sum_i exp(lse_i - lse) * out_i in the parts' out dtype,
+    lse = logsumexp_i lse_i in fp32); rows where every part is -inf get out 0, lse -inf.
+    """
+    outs, lses = check_merge_parts(parts)
     lse_stack = torch.stack([lse.float() for lse in lses])  # [parts, T, heads]
     merged_lse = torch.logsumexp(lse_stack, dim=0)  # [T, heads]; -inf where all parts are
     shift = torch.where(torch.isneginf(merged_lse), torch.zeros_like(merged_lse), merged_lse)

@@ -38,7 +38,6 @@ checking them, which would need a device-to-host sync).
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -48,10 +47,14 @@ import triton.language as tl
 from torch import Tensor
 
 from llm_operator.kernels.reference import (
+    INDEX_DTYPES,
     AttentionOutput,
     OwnBatch,
     PrefixBatch,
     check_launch,
+    check_merge_parts,
+    check_scale,
+    check_store,
 )
 
 __all__ = [
@@ -61,8 +64,6 @@ __all__ = [
     "store_kv",
 ]
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_INDEX_DTYPES = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
 _MAX_HEAD_DIM = 256
 
@@ -418,14 +419,6 @@ def _merge_kernel(
 _INTERPRETED = type(_paged_attention_kernel).__name__ == "InterpretedFunction"
 
 
-def _check_scale(scale: object) -> float:
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale!r}")
-    return float(scale)
-
-
 def _check_device(tensor: Tensor) -> None:
     if tensor.device.type == "cpu" and not _INTERPRETED:
         raise RuntimeError(
@@ -440,7 +433,7 @@ def _check_head_dim(head_dim: int) -> None:
 
 
 def _check_batch_index(name: str, value: Tensor, ndim: int) -> None:
-    if not isinstance(value, Tensor) or value.dim() != ndim or value.dtype not in _INDEX_DTYPES:
+    if not isinstance(value, Tensor) or value.dim() != ndim or value.dtype not in INDEX_DTYPES:
         got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, Tensor) else type(value)
         raise ValueError(f"batch.{name} must be a {ndim}-D int32/int64 tensor, got {got}")
     if ndim == 2 and value.shape[1] > 0 and value.stride(1) != 1:
@@ -663,43 +656,8 @@ def store_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
                       offset slot % block_size. Slots outside [0, num_blocks * block_size)
                       (e.g. -1 padding) are skipped, not checked (that would need a sync).
     """
-    layout = "[num_blocks, block_size, num_kv_heads, head_dim]"
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(cache, Tensor) or cache.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor {layout}")
-        if cache.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {cache.dtype}")
-    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-        raise ValueError(
-            f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} != k_cache "
-            f"{tuple(k_cache.shape)} {k_cache.dtype}"
-        )
+    check_store(k_cache, v_cache, k, v, slot_mapping)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    for name, value in (("k", k), ("v", v)):
-        if not isinstance(value, Tensor) or value.dim() != 3:
-            raise ValueError(f"{name} must be a 3-D tensor [tokens, num_kv_heads, head_dim]")
-        if tuple(value.shape[1:]) != (num_kv_heads, head_dim):
-            raise ValueError(
-                f"{name} must be [tokens, num_kv_heads, head_dim] with num_kv_heads "
-                f"{num_kv_heads} and head_dim {head_dim} (from k_cache), got {tuple(value.shape)}"
-            )
-        if value.dtype != k_cache.dtype:
-            raise TypeError(f"{name} dtype {value.dtype} != k_cache dtype {k_cache.dtype}")
-    if v.shape != k.shape:
-        raise ValueError(f"v shape {tuple(v.shape)} != k shape {tuple(k.shape)}")
-    if not isinstance(slot_mapping, Tensor) or slot_mapping.dim() != 1:
-        raise ValueError("slot_mapping must be a 1-D tensor [tokens]")
-    if slot_mapping.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
-    if slot_mapping.shape[0] != k.shape[0]:
-        raise ValueError(
-            f"slot_mapping has {slot_mapping.shape[0]} slots but k has {k.shape[0]} tokens"
-        )
-    devices = {t.device for t in (k_cache, v_cache, k, v, slot_mapping)}
-    if len(devices) != 1:
-        raise ValueError(
-            f"store_kv needs all tensors on one device, got {sorted(map(str, devices))}"
-        )
     if k.shape[0] == 0 or num_kv_heads == 0 or head_dim == 0:
         return
     _check_device(k)
@@ -739,7 +697,7 @@ def own_attention(
     Returns AttentionOutput(out [T, num_heads, head_dim] q.dtype, lse [T, num_heads] fp32).
     """
     group = check_launch(q, k_cache, v_cache, batch, OwnBatch)
-    scale = _check_scale(scale)
+    scale = check_scale(scale)
     _check_device(q)
     _check_head_dim(q.shape[2])
     _check_batch_index("block_tables", batch.block_tables, 2)
@@ -763,7 +721,7 @@ def prefix_attention(
     rows in no segment get out 0 and lse -inf.
     """
     group = check_launch(q, k_cache, v_cache, batch, PrefixBatch)
-    scale = _check_scale(scale)
+    scale = check_scale(scale)
     _check_device(q)
     _check_head_dim(q.shape[2])
     _check_batch_index("block_tables", batch.block_tables, 2)
@@ -772,42 +730,6 @@ def prefix_attention(
     return _launch_attention(
         q, k_cache, v_cache, scale, group, plan, batch.rows, batch.block_tables, causal=False
     )
-
-
-def _check_parts(parts: object) -> list[tuple[Tensor, Tensor]]:
-    if isinstance(parts, Tensor) or not isinstance(parts, Sequence):
-        raise TypeError(f"parts must be a sequence of (out, lse) pairs, got {type(parts).__name__}")
-    if len(parts) == 0:
-        raise ValueError("parts must hold at least one (out, lse) pair, got none")
-    checked: list[tuple[Tensor, Tensor]] = []
-    for index, part in enumerate(parts):
-        if not isinstance(part, (tuple, list)) or len(part) != 2:
-            raise TypeError(f"parts[{index}] must be an (out, lse) pair, got {part!r:.80}")
-        out, lse = part
-        if not isinstance(out, Tensor) or out.dim() != 3:
-            raise ValueError(f"parts[{index}] out must be a [tokens, num_heads, head_dim] tensor")
-        if not isinstance(lse, Tensor) or lse.dim() != 2:
-            raise ValueError(f"parts[{index}] lse must be a [tokens, num_heads] tensor")
-        if out.dtype not in _FLOAT_DTYPES or lse.dtype not in _FLOAT_DTYPES:
-            raise TypeError(
-                f"parts[{index}] out and lse must be floating point, got {out.dtype}, {lse.dtype}"
-            )
-        if tuple(lse.shape) != tuple(out.shape[:2]):
-            raise ValueError(
-                f"parts[{index}] lse shape {tuple(lse.shape)} != out shape[:2] "
-                f"{tuple(out.shape[:2])}"
-            )
-        if checked:
-            first = checked[0][0]
-            if out.shape != first.shape or out.dtype != first.dtype:
-                raise ValueError(
-                    f"parts[{index}] out is {tuple(out.shape)} {out.dtype} but parts[0] out is "
-                    f"{tuple(first.shape)} {first.dtype}"
-                )
-        if out.device != lse.device or (checked and out.device != checked[0][0].device):
-            raise ValueError(f"parts[{index}] is not on parts[0]'s device")
-        checked.append((out, lse))
-    return checked
 
 
 def _merge_pair(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor] | None, out_dtype) -> tuple:
@@ -854,7 +776,7 @@ def merge_attention_states(parts: Sequence[tuple[Tensor, Tensor]]) -> AttentionO
     Returns AttentionOutput(out in the parts' out dtype, lse fp32); rows where every part
     is -inf get out 0, lse -inf. More than two parts fold pairwise in fp32.
     """
-    checked = _check_parts(parts)
+    checked = list(zip(*check_merge_parts(parts)))
     _check_device(checked[0][0])
     out_dtype = checked[0][0].dtype
     if len(checked) == 1:

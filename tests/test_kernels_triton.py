@@ -21,25 +21,13 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
+# Tolerances (Triton and the reference: same inputs, fp32 inside, outputs rounded to the
+# dtype) and own-request batches as (context_len, query_count), shared with the reference.
+from test_kernels_reference import BATCHES, LSE_TOLERANCE, OUT_TOLERANCE  # noqa: E402
+
 import llm_operator.kernels as kernels  # noqa: E402
 from llm_operator.kernels import reference  # noqa: E402
 from llm_operator.kernels import triton_attention as tri  # noqa: E402
-
-# Triton vs reference: same inputs, both fp32 inside, outputs rounded to the dtype.
-OUT_TOLERANCE = {
-    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
-    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
-    torch.bfloat16: {"atol": 1.6e-2, "rtol": 1.6e-2},
-}
-LSE_TOLERANCE = {"atol": 2e-5, "rtol": 1e-5}
-
-# Own requests as (context_len, query_count).
-BATCHES = {
-    "decode_only": [(1, 1), (17, 1), (40, 1), (5, 1)],
-    "prefill_only": [(13, 13), (37, 37), (3, 3)],
-    "chunk_in_middle": [(45, 20), (33, 16)],  # rows at own positions 25..44 and 17..32
-    "mixed": [(30, 1), (20, 20), (12, 0), (50, 17), (9, 1), (64, 64)],
-}
 
 
 @dataclass
