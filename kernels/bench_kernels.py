@@ -572,6 +572,17 @@ def fmt(value: Any, digits: int = 3) -> str:
     return str(value)
 
 
+def _case_rows(cases: list[dict], label: str, keys: tuple[str, ...]) -> list[str]:
+    """One Markdown table row per case; a skipped or failed case shows its reason."""
+    rows = []
+    for r in cases:
+        if "skipped" in r or "error" in r:
+            rows.append(f"| {r.get(label, r.get('case'))} | {r.get('skipped') or r.get('error')} |")
+        else:
+            rows.append("| " + " | ".join(fmt(r.get(k)) for k in keys) + " |")
+    return rows
+
+
 def markdown(report: dict) -> str:
     lines = [f"# Triton attention kernels on {report.get('device', '?')}", ""]
     correctness = report["sections"].get("correctness", {})
@@ -585,36 +596,27 @@ def markdown(report: dict) -> str:
             "| dtype | D | kv | group | prefix | rows | block | splits | store exact | prefix out | prefix lse | own out | own lse | merged out | ok |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for r in correctness["cases"]:
-            if "skipped" in r or "error" in r:
-                lines.append(
-                    f"| {r.get('dtype', r.get('case'))} | {r.get('skipped') or r.get('error')} |"
-                )
-                continue
-            lines.append(
-                "| "
-                + " | ".join(
-                    fmt(r.get(k))
-                    for k in (
-                        "dtype",
-                        "head_dim",
-                        "num_kv_heads",
-                        "group",
-                        "prefix_len",
-                        "rows",
-                        "block_size",
-                        "prefix_splits",
-                        "store_kv_exact",
-                        "prefix_out_err",
-                        "prefix_lse_err",
-                        "own_out_err",
-                        "own_lse_err",
-                        "merged_out_err",
-                        "ok",
-                    )
-                )
-                + " |"
-            )
+        lines += _case_rows(
+            correctness["cases"],
+            "dtype",
+            (
+                "dtype",
+                "head_dim",
+                "num_kv_heads",
+                "group",
+                "prefix_len",
+                "rows",
+                "block_size",
+                "prefix_splits",
+                "store_kv_exact",
+                "prefix_out_err",
+                "prefix_lse_err",
+                "own_out_err",
+                "own_lse_err",
+                "merged_out_err",
+                "ok",
+            ),
+        )
         lines.append("")
     timing = report["sections"].get("timing", {})
     if "cases" in timing:
@@ -625,35 +627,26 @@ def markdown(report: dict) -> str:
             "| D | kv | group | prefix | rows | splits | Triton ms | SDPA dense (replicated) ms | SDPA shared ms | vs dense | vs shared | GB/s | of copy BW | TFLOP/s |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for r in timing["cases"]:
-            if "skipped" in r or "error" in r:
-                lines.append(
-                    f"| {r.get('head_dim', r.get('case'))} | {r.get('skipped') or r.get('error')} |"
-                )
-                continue
-            lines.append(
-                "| "
-                + " | ".join(
-                    fmt(r.get(k))
-                    for k in (
-                        "head_dim",
-                        "num_kv_heads",
-                        "group",
-                        "prefix_len",
-                        "rows",
-                        "splits",
-                        "triton_ms",
-                        "sdpa_dense_ms",
-                        "sdpa_shared_ms",
-                        "speedup_vs_dense",
-                        "speedup_vs_shared_sdpa",
-                        "achieved_gbs",
-                        "fraction_of_copy_bw",
-                        "tflops",
-                    )
-                )
-                + " |"
-            )
+        lines += _case_rows(
+            timing["cases"],
+            "head_dim",
+            (
+                "head_dim",
+                "num_kv_heads",
+                "group",
+                "prefix_len",
+                "rows",
+                "splits",
+                "triton_ms",
+                "sdpa_dense_ms",
+                "sdpa_shared_ms",
+                "speedup_vs_dense",
+                "speedup_vs_shared_sdpa",
+                "achieved_gbs",
+                "fraction_of_copy_bw",
+                "tflops",
+            ),
+        )
         lines.append("")
     engine = report["sections"].get("engine")
     if isinstance(engine, dict) and "native" in engine:

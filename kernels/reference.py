@@ -609,47 +609,48 @@ def _tile_rows(longest: int, num_heads: int, kv_elements: int) -> int:
     return max(1, (MAX_SCORE_ELEMENTS // max(1, longest) - kv_elements) // num_heads)
 
 
-def _own_groups(batch: OwnBatch, num_heads: int, num_kv_heads: int, head_dim: int):
+def _groups(batch: OwnBatch | PrefixBatch, num_heads: int, num_kv_heads: int, head_dim: int):
+    """The batch's padded groups (causal for an OwnBatch), derived on first use and cached
+    in ``batch.derived`` for later layers."""
     key = ("reference", num_heads, num_kv_heads, head_dim)
     if key not in batch.derived:
         kv_elements = 2 * num_kv_heads * head_dim
-        tile = _tile_rows(batch.max_context_len, num_heads, kv_elements)
-        starts, lengths = batch.host_query_start, batch.host_context_lens
-        pieces = []
-        for b, length in enumerate(lengths):
-            first, count = starts[b], starts[b + 1] - starts[b]
-            for offset in range(0, count, tile):
-                rows = min(tile, count - offset)
-                key_len = length - count + offset + rows
-                pieces.append(
-                    _Piece(b, tuple(range(first + offset, first + offset + rows)), key_len)
-                )
+        causal = isinstance(batch, OwnBatch)
+        if causal:
+            listed = _own_pieces(batch, _tile_rows(batch.max_context_len, num_heads, kv_elements))
+        else:
+            listed = _prefix_pieces(batch, _tile_rows(batch.max_length, num_heads, kv_elements))
         group = num_heads // num_kv_heads
         batch.derived[key] = [
-            _pad_group(g, batch.block_tables, batch.block_size, True, group)
-            for g in _group_pieces(pieces, num_heads, kv_elements)
+            _pad_group(g, batch.block_tables, batch.block_size, causal, group)
+            for g in _group_pieces(listed, num_heads, kv_elements)
         ]
     return batch.derived[key]
 
 
-def _prefix_groups(batch: PrefixBatch, num_heads: int, num_kv_heads: int, head_dim: int):
-    key = ("reference", num_heads, num_kv_heads, head_dim)
-    if key not in batch.derived:
-        kv_elements = 2 * num_kv_heads * head_dim
-        tile = _tile_rows(batch.max_length, num_heads, kv_elements)
-        starts, rows = batch.host_row_start, batch.host_rows
-        pieces = []
-        for s, length in enumerate(batch.host_lengths):
-            if length == 0:
-                continue  # sees no key: out 0, lse -inf
-            for first in range(starts[s], starts[s + 1], tile):
-                pieces.append(_Piece(s, rows[first : min(first + tile, starts[s + 1])], length))
-        group = num_heads // num_kv_heads
-        batch.derived[key] = [
-            _pad_group(g, batch.block_tables, batch.block_size, False, group)
-            for g in _group_pieces(pieces, num_heads, kv_elements)
-        ]
-    return batch.derived[key]
+def _own_pieces(batch: OwnBatch, tile: int) -> list[_Piece]:
+    """Each request's rows in tiles; a tile's last row sees its own position + 1 keys."""
+    starts, lengths = batch.host_query_start, batch.host_context_lens
+    pieces = []
+    for b, length in enumerate(lengths):
+        first, count = starts[b], starts[b + 1] - starts[b]
+        for offset in range(0, count, tile):
+            rows = min(tile, count - offset)
+            key_len = length - count + offset + rows
+            pieces.append(_Piece(b, tuple(range(first + offset, first + offset + rows)), key_len))
+    return pieces
+
+
+def _prefix_pieces(batch: PrefixBatch, tile: int) -> list[_Piece]:
+    """Each segment's rows in tiles, every row seeing the whole segment."""
+    starts, rows = batch.host_row_start, batch.host_rows
+    pieces = []
+    for s, length in enumerate(batch.host_lengths):
+        if length == 0:
+            continue  # sees no key: out 0, lse -inf
+        for first in range(starts[s], starts[s + 1], tile):
+            pieces.append(_Piece(s, rows[first : min(first + tile, starts[s + 1])], length))
+    return pieces
 
 
 # ---------------------------------------------------------------- attention
@@ -674,7 +675,7 @@ def own_attention(
     check_launch(q, k_cache, v_cache, batch, OwnBatch)
     scale = check_scale(scale)
     num_heads, head_dim = q.shape[1], q.shape[2]
-    groups = _own_groups(batch, num_heads, k_cache.shape[2], head_dim)
+    groups = _groups(batch, num_heads, k_cache.shape[2], head_dim)
     return _run_groups(q, k_cache, v_cache, groups, scale)
 
 
@@ -699,7 +700,7 @@ def prefix_attention(
     check_launch(q, k_cache, v_cache, batch, PrefixBatch)
     scale = check_scale(scale)
     num_heads, head_dim = q.shape[1], q.shape[2]
-    groups = _prefix_groups(batch, num_heads, k_cache.shape[2], head_dim)
+    groups = _groups(batch, num_heads, k_cache.shape[2], head_dim)
     return _run_groups(q, k_cache, v_cache, groups, scale)
 
 

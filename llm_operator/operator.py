@@ -145,13 +145,15 @@ class LLMOperator:
         return self._backend
 
     def _vllm_backend(self) -> Backend:
-        from llm_operator.engine.vllm_backend import VLLMBackend, eos_token_ids_of
+        from llm_operator.engine.hf import eos_token_ids
+        from llm_operator.engine.vllm_backend import VLLMBackend
+        from llm_operator.models.llama import load_generation_config
 
         return VLLMBackend(
             str(self.model.path),
             self.tokenizer,
             max_context=self.max_context,
-            eos_token_ids=eos_token_ids_of(self.model.path, self.tokenizer),
+            eos_token_ids=eos_token_ids(load_generation_config(self.model.path), self.tokenizer),
             dtype=self.config.dtype,
             kv_cache_bytes=self.config.kv_cache_bytes,
             max_batch_size=self.config.max_batch_size,
@@ -175,7 +177,7 @@ class LLMOperator:
             model,
             self.tokenizer,
             kv_cache_bytes=self.config.kv_cache_bytes or _auto_kv_cache_bytes(device),
-            eos_token_ids=eos_token_ids(model, self.tokenizer),
+            eos_token_ids=eos_token_ids(model.generation_config, self.tokenizer),
             max_context=self.max_context,
             block_size=self.config.kv_block_size,
             max_batched_tokens=self.config.prefill_batch_tokens,

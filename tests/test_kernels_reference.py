@@ -198,16 +198,19 @@ def assert_matches_dense(case: PagedCase) -> None:
 # ---------------------------------------------------------------- store_kv
 
 
-@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
-def test_store_kv_writes_exactly_the_given_slots(slot_dtype):
+def check_store_writes_exactly_the_given_slots(
+    store, slot_dtype, *, dtype=torch.float32, num_kv_heads=2, head_dim=8
+) -> None:
+    """``store`` (a store_kv implementation) changes the 11 given slots of both caches to
+    exactly k and v, and nothing else."""
     generator = torch.Generator().manual_seed(1)
-    num_blocks, block_size, num_kv_heads, head_dim = 6, 4, 2, 8
-    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), -7.0)
+    num_blocks, block_size = 6, 4
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), -7.0, dtype=dtype)
     v_cache = torch.full_like(k_cache, -9.0)
     slots = torch.randperm(num_blocks * block_size, generator=generator)[:11]
-    k = torch.randn(11, num_kv_heads, head_dim, generator=generator)
-    v = torch.randn(11, num_kv_heads, head_dim, generator=generator)
-    store_kv(k_cache, v_cache, k, v, slots.to(slot_dtype))
+    k = torch.randn(11, num_kv_heads, head_dim, generator=generator).to(dtype)
+    v = torch.randn(11, num_kv_heads, head_dim, generator=generator).to(dtype)
+    store(k_cache, v_cache, k, v, slots.to(slot_dtype))
 
     flat_k = k_cache.reshape(-1, num_kv_heads, head_dim)
     flat_v = v_cache.reshape(-1, num_kv_heads, head_dim)
@@ -216,6 +219,11 @@ def test_store_kv_writes_exactly_the_given_slots(slot_dtype):
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
     untouched[slots] = False
     assert bool((flat_k[untouched] == -7.0).all()) and bool((flat_v[untouched] == -9.0).all())
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_store_kv_writes_exactly_the_given_slots(slot_dtype):
+    check_store_writes_exactly_the_given_slots(store_kv, slot_dtype)
 
 
 def test_store_kv_into_strided_cache_views():
@@ -326,8 +334,8 @@ def test_own_attention_work_plan_covers_rows_once_within_budget(monkeypatch):
     batch = own_batch(starts, tables, context_lens, block_size=16, num_blocks=20)
     num_heads, num_kv_heads, head_dim = 8, 2, 16
     kv_elements = 2 * num_kv_heads * head_dim
-    groups = reference._own_groups(batch, num_heads, num_kv_heads, head_dim)
-    assert groups is reference._own_groups(batch, num_heads, num_kv_heads, head_dim)  # cached
+    groups = reference._groups(batch, num_heads, num_kv_heads, head_dim)
+    assert groups is reference._groups(batch, num_heads, num_kv_heads, head_dim)  # cached
     rows = sorted(r for group in groups for r in group.rows.tolist())
     assert rows == list(range(starts[-1]))
     for group in groups:

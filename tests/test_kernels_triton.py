@@ -23,7 +23,12 @@ import torch  # noqa: E402
 
 # Tolerances (Triton and the reference: same inputs, fp32 inside, outputs rounded to the
 # dtype) and own-request batches as (context_len, query_count), shared with the reference.
-from test_kernels_reference import BATCHES, LSE_TOLERANCE, OUT_TOLERANCE  # noqa: E402
+from test_kernels_reference import (  # noqa: E402
+    BATCHES,
+    LSE_TOLERANCE,
+    OUT_TOLERANCE,
+    check_store_writes_exactly_the_given_slots,
+)
 
 import llm_operator.kernels as kernels  # noqa: E402
 from llm_operator.kernels import reference  # noqa: E402
@@ -290,22 +295,9 @@ def test_non_power_of_two_group():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
 def test_store_kv_writes_exactly_the_given_slots(slot_dtype, dtype):
-    generator = torch.Generator().manual_seed(1)
-    num_blocks, block_size, num_kv_heads, head_dim = 6, 4, 3, 40
-    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), -7.0, dtype=dtype)
-    v_cache = torch.full_like(k_cache, -9.0)
-    slots = torch.randperm(num_blocks * block_size, generator=generator)[:11]
-    k = torch.randn(11, num_kv_heads, head_dim, generator=generator).to(dtype)
-    v = torch.randn(11, num_kv_heads, head_dim, generator=generator).to(dtype)
-    tri.store_kv(k_cache, v_cache, k, v, slots.to(slot_dtype))
-
-    flat_k = k_cache.reshape(-1, num_kv_heads, head_dim)
-    flat_v = v_cache.reshape(-1, num_kv_heads, head_dim)
-    torch.testing.assert_close(flat_k[slots], k, rtol=0, atol=0)
-    torch.testing.assert_close(flat_v[slots], v, rtol=0, atol=0)
-    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
-    untouched[slots] = False
-    assert bool((flat_k[untouched] == -7.0).all()) and bool((flat_v[untouched] == -9.0).all())
+    check_store_writes_exactly_the_given_slots(
+        tri.store_kv, slot_dtype, dtype=dtype, num_kv_heads=3, head_dim=40
+    )
 
 
 def test_store_kv_into_strided_views_skips_slots_outside_the_cache():

@@ -50,7 +50,7 @@ class HFBackend:
         self.kv_cache_bytes = kv_cache_bytes
         self.device = next(model.parameters()).device
         self.max_context = model_context_length(model.config, tokenizer)
-        self.eos_token_ids = eos_token_ids(model, tokenizer)
+        self.eos_token_ids = eos_token_ids(getattr(model, "generation_config", None), tokenizer)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         params = inspect.signature(model.forward).parameters
         self._cache_argument = "cache" if "cache" in params else "past_key_values"
@@ -105,8 +105,8 @@ def model_context_length(config, tokenizer) -> int:
     return 2048
 
 
-def eos_token_ids(model, tokenizer) -> frozenset[int]:
-    generation_config = getattr(model, "generation_config", None)
+def eos_token_ids(generation_config, tokenizer) -> frozenset[int]:
+    """EOS ids of every backend: the generation config's (if any), else the tokenizer's."""
     eos = getattr(generation_config, "eos_token_id", None)
     if eos is None:
         eos = tokenizer.eos_token_id

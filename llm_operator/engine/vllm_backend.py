@@ -74,21 +74,6 @@ def model_len_for(need: int, max_context: int) -> int:
     return min(max_context, max(MIN_MODEL_LEN, 1 << max(0, need - 1).bit_length()))
 
 
-def eos_token_ids_of(model_path, tokenizer) -> frozenset[int]:
-    """EOS ids as the other backends read them: the generation config, else the tokenizer."""
-    from transformers import GenerationConfig
-
-    try:
-        eos = GenerationConfig.from_pretrained(model_path, local_files_only=True).eos_token_id
-    except OSError:  # no generation_config.json
-        eos = None
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return frozenset()
-    return frozenset([eos] if isinstance(eos, int) else eos)
-
-
 def vllm_dtype(dtype: str) -> str:
     """Our dtype names ("fp32", "bf16", ...) as vLLM's; "auto" stays (float32 on CPU)."""
     if dtype == "auto":

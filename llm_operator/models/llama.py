@@ -265,7 +265,7 @@ class LlamaModel(nn.Module):
             model = cls(hf_config)
         state = _load_weights(model_dir, model.config, device, dtype)
         model.load_state_dict(state, strict=True, assign=True)
-        model.generation_config = _generation_config(model_dir)
+        model.generation_config = load_generation_config(model_dir)
         return model.to(device=device).eval().requires_grad_(False)
 
     def forward(self, input_ids: Tensor, positions: Tensor, attention: AttentionFn) -> Tensor:
@@ -285,7 +285,7 @@ class LlamaModel(nn.Module):
         return linear(hidden, weight).float()
 
 
-def _generation_config(model_dir: Path):
+def load_generation_config(model_dir: str | Path):
     """The directory's generation_config.json (EOS ids), or None when it has none."""
     from transformers import GenerationConfig
 
