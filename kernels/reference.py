@@ -151,45 +151,34 @@ def check_scale(scale: object) -> float:
 # ---------------------------------------------------------------- core
 
 
-def _gather_slots(cache: Tensor, slots: Tensor) -> Tensor:
-    """Rows of one cache at the given slots, KV head first, fp32 and contiguous (so the
-    batched matmuls that follow get BLAS-friendly operands, with no copy inside matmul).
+def _gather_slots(cache: Tensor, slots: Tensor, contiguous: bool) -> Tensor:
+    """Rows of one cache at the given slots, KV head first, fp32.
 
-    cache: [num_blocks, block_size, num_kv_heads, head_dim]; slots: [*S] int64
-    returns [num_kv_heads, *S, head_dim] float32
+    cache: [num_blocks, block_size, num_kv_heads, head_dim]; slots: [P, S] int64
+    returns [P, num_kv_heads, S, head_dim] float32: contiguous (one gather of head_dim
+    rows, for plain matmuls) or a strided view of one gather of whole slots (for the
+    fused kernel, which reads any strides).
     """
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
-    flat_slots = slots.flatten()  # [S]
-    if cache.is_contiguous():
-        # One head_dim row per (slot, KV head); pick them KV head first in one pass.
+    flat_slots = slots.flatten()  # [P * S]
+    if contiguous and cache.is_contiguous():
         head = torch.arange(num_kv_heads, device=cache.device)
-        row_ids = (head[:, None] + flat_slots[None, :] * num_kv_heads).flatten()  # [kv * S]
-        gathered = cache.view(-1, head_dim).index_select(0, row_ids).float()
-        return gathered.view(num_kv_heads, *slots.shape, head_dim)
-    rows = cache[flat_slots // block_size, flat_slots % block_size]  # [S, kv, dim]
-    gathered = torch.empty(
-        (num_kv_heads, flat_slots.shape[0], head_dim), dtype=torch.float32, device=cache.device
-    )
-    gathered.copy_(rows.movedim(1, 0))  # one pass: transpose and convert to fp32
-    return gathered.unflatten(1, slots.shape)
+        row_ids = slots[:, None, :] * num_kv_heads + head[None, :, None]  # [P, kv, S]
+        gathered = cache.view(-1, head_dim).index_select(0, row_ids.flatten())
+        return gathered.view(*row_ids.shape, head_dim).float()
+    if cache.is_contiguous():
+        rows = cache.view(-1, num_kv_heads, head_dim).index_select(0, flat_slots)
+    else:
+        rows = cache[flat_slots // block_size, flat_slots % block_size]  # [P * S, kv, dim]
+    return rows.view(*slots.shape, num_kv_heads, head_dim).transpose(1, 2).float()
 
 
-def _pack_heads(x: Tensor, num_kv_heads: int) -> Tensor:
-    # x: [*batch, rows, num_heads, head_dim] -> [num_kv_heads, *batch, rows * group, head_dim]
-    x = x.float().unflatten(-2, (num_kv_heads, -1))  # [*batch, rows, kv, group, dim]
-    return x.movedim(-3, 0).flatten(-3, -2)
-
-
-def _unpack_out(x: Tensor, rows: int) -> Tensor:
-    # x: [num_kv_heads, *batch, rows * group, head_dim] -> [*batch, rows, num_heads, head_dim]
-    x = x.unflatten(-2, (rows, -1))  # [kv, *batch, rows, group, dim]
-    return x.movedim(0, -3).flatten(-3, -2)
-
-
-def _unpack_lse(x: Tensor, rows: int) -> Tensor:
-    # x: [num_kv_heads, *batch, rows * group] -> [*batch, rows, num_heads]
-    x = x.unflatten(-1, (rows, -1))  # [kv, *batch, rows, group]
-    return x.movedim(0, -2).flatten(-2, -1)
+def _group_queries(q: Tensor, group: _Group) -> Tensor:
+    """The group's query rows, heads first: q [T, num_heads, head_dim] ->
+    [P, num_heads, R, head_dim] float32 (a strided view of q when q is read in place)."""
+    pieces, rows = group.row_index.shape
+    picked = q if group.identity else q.index_select(0, group.row_index.flatten())  # [P * R, ...]
+    return picked.view(pieces, rows, *q.shape[1:]).transpose(1, 2).float()
 
 
 # Fused CPU flash attention that also returns the log-sum-exp (a private ATen op; the
@@ -197,26 +186,84 @@ def _unpack_lse(x: Tensor, rows: int) -> Tensor:
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def _attend(
-    queries: Tensor, keys: Tensor, values: Tensor, scale: float, bias: Tensor | None
-) -> tuple[Tensor, Tensor]:
-    """Softmax attention in fp32 per KV head and piece.
+def _flash_reads_gqa() -> bool:
+    """Whether the fused CPU op takes fewer K/V heads than query heads (newer torch)."""
+    if _FLASH_CPU is None:
+        return False
+    try:
+        q, kv = torch.zeros(1, 2, 1, 8), torch.zeros(1, 1, 1, 8)
+        out, _ = _FLASH_CPU(q, kv, kv, scale=1.0)
+    except RuntimeError:
+        return False
+    return tuple(out.shape) == (1, 2, 1, 8)
 
-    queries: [kv, P, rows, dim]; keys, values: [kv, P, keys, dim], all fp32
+
+_FLASH_GQA = _flash_reads_gqa()
+# Non-causal attention of at most this many scores (pieces x heads x rows x keys) runs as
+# plain matmuls: measured here, decode rows run 2-5x faster so than in the fused kernel.
+SMALL_ATTENTION_ELEMENTS = 1 << 18
+
+
+def _is_small(group: _Group, num_heads: int) -> bool:
+    """Whether a group's attention runs as plain matmuls (see SMALL_ATTENTION_ELEMENTS)."""
+    pieces, rows = group.row_index.shape
+    return not group.causal and pieces * num_heads * rows * group.slots.shape[1] <= (
+        SMALL_ATTENTION_ELEMENTS
+    )
+
+
+def _attend(
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    scale: float,
+    bias: Tensor | None,
+    causal: bool,
+    small: bool,
+) -> tuple[Tensor, Tensor]:
+    """Softmax attention in fp32 per piece and head.
+
+    queries: [P, heads, rows, dim]; keys, values: [P, kv_heads, keys, dim]; all fp32, any
+             strides; query head h reads KV head h // (heads // kv_heads)
     bias:    [P, 1, rows or 1, keys] fp32, 0 where visible and -inf where masked, or None
-    Returns out [kv, P, rows, dim], lse [kv, P, rows]. Every valid row sees >= 1 key
+    causal:  row i sees keys 0..i (rows == keys; applied besides any bias)
+    small:   not causal and little work (``_is_small``): plain matmuls, keys contiguous
+    Returns out [P, heads, rows, dim], lse [P, heads, rows]. Every valid row sees >= 1 key
     (rows that see none are padding, dropped by the caller).
     """
-    if _FLASH_CPU is not None and queries.device.type == "cpu":
-        out, lse = _FLASH_CPU(
-            queries.movedim(0, 1), keys.movedim(0, 1), values.movedim(0, 1),
-            attn_mask=bias, scale=scale,
-        )  # fmt: skip
-        return out.movedim(1, 0), lse.movedim(1, 0)
-    scores = torch.matmul(queries * scale, keys.transpose(-1, -2))  # [kv, P, rows, keys]
+    pieces, num_heads, rows, head_dim = queries.shape
+    num_kv_heads, num_keys = keys.shape[1], keys.shape[2]
+    group = num_heads // num_kv_heads
+    if small:
+        # Decode-sized: a few small matmuls cost less than the fused kernel's set-up. The
+        # query heads of one KV head are packed into the rows, so K/V are read as they are.
+        packed = queries.reshape(pieces, num_kv_heads, group * rows, head_dim)
+        scores = torch.matmul(packed, keys.transpose(-1, -2)).mul_(scale)  # [P, kv, g * R, L]
+        if bias is not None:  # [P, 1, R or 1, L]: the same for every head of the group
+            scores = scores.view(pieces, num_kv_heads, group, rows, num_keys).add_(
+                bias.unsqueeze(1)
+            )
+        scores = scores.view(pieces, num_kv_heads, group * rows, num_keys)
+        top = scores.amax(dim=-1, keepdim=True)  # [P, kv, g * R, 1], finite: >= 1 key
+        weights = scores.sub_(top).exp_()
+        total = weights.sum(dim=-1, keepdim=True)
+        out = torch.matmul(weights, values).div_(total)  # [P, kv, g * R, dim]
+        lse = top.add_(total.log_()).squeeze(-1)  # [P, kv, g * R]
+        return out.view(pieces, num_heads, rows, head_dim), lse.view(pieces, num_heads, rows)
+    on_cpu = _FLASH_CPU is not None and queries.device.type == "cpu"
+    if group > 1 and not (on_cpu and _FLASH_GQA):
+        keys = keys.repeat_interleave(group, dim=1)  # [P, heads, keys, dim]
+        values = values.repeat_interleave(group, dim=1)
+    if on_cpu:
+        return _FLASH_CPU(queries, keys, values, is_causal=causal, attn_mask=bias, scale=scale)[:2]
+    scores = torch.matmul(queries * scale, keys.transpose(-1, -2))  # [P, heads, rows, keys]
     if bias is not None:
-        scores += bias.movedim(1, 0)
-    lse = torch.logsumexp(scores, dim=-1)  # [kv, P, rows]
+        scores += bias
+    if causal:
+        rows, count = scores.shape[-2:]
+        hidden = torch.ones(rows, count, dtype=torch.bool, device=scores.device).triu_(1)
+        scores.masked_fill_(hidden, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)  # [P, heads, rows]
     weights = scores.sub_(lse.unsqueeze(-1)).exp_()
     return torch.matmul(weights, values), lse
 
@@ -260,6 +307,10 @@ def store_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
     num_blocks, block_size = check_store(k_cache, v_cache, k, v, slot_mapping)
     _check_range("slot_mapping", slot_mapping, num_blocks * block_size)
     slots = slot_mapping.long()
+    if k_cache.is_contiguous() and v_cache.is_contiguous():
+        k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)  # one slot per row
+        v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+        return
     block_ids, offsets = slots // block_size, slots % block_size  # [T], [T]
     k_cache[block_ids, offsets] = k
     v_cache[block_ids, offsets] = v
@@ -516,39 +567,51 @@ class _Group(NamedTuple):
     row_valid: Tensor  # [P, R] bool
     rows: Tensor  # [N] the valid rows' q indices, in row_index[row_valid] order
     slots: Tensor  # [P, L] cache slots (padding keys read a written slot of the piece)
-    bias: Tensor | None  # [P, 1, R * group or 1, L] fp32: 0 visible, -inf masked; None: none
+    bias: Tensor | None  # [P, 1, R or 1, L] fp32: 0 visible, -inf masked; None: none
+    causal: bool  # row i of every piece sees keys 0..i (fresh chunks: R == L, no bias)
+    valid_positions: Tensor | None  # [N] positions of the valid rows in row_index.flatten()
+    identity: bool  # row_index.flatten() is 0 .. T-1: q is read and written in place
+
+
+# What one padded group costs beyond its arithmetic (a K/V gather, one fused attention
+# call, a scatter), in score elements of work: measured here at ~150 us a group on the
+# CPU, about the time of 2**17 score elements. Small pieces (decode rows) share a group
+# even when padded more than 2x, because the padding costs less than a call of their own.
+GROUP_OVERHEAD_ELEMENTS = 1 << 17
 
 
 def _group_pieces(pieces: list[_Piece], num_heads: int, kv_elements: int) -> list[list[_Piece]]:
     """Group pieces of similar shape under the work budget.
 
-    Pieces are bucketed by len(rows).bit_length() (padding wastes < 2x rows) and sorted
-    by key length; a group starts anew where keys would be padded more than 2x.
+    Pieces are sorted by (rows, key length) and taken greedily: a piece joins the current
+    group while the group's padded work stays within twice its useful work plus one
+    group's overhead (GROUP_OVERHEAD_ELEMENTS) and within MAX_SCORE_ELEMENTS. Work counts
+    scores and gathered keys: key_len * (num_heads * rows + kv_elements) per piece, with
     kv_elements = 2 * num_kv_heads * head_dim per key.
     """
-    pieces = sorted(pieces, key=lambda p: (len(p.rows).bit_length(), p.key_len))
+    pieces = sorted(pieces, key=lambda p: (len(p.rows), p.key_len))
     groups: list[list[_Piece]] = []
-    max_rows = 0
+    max_rows = max_keys = useful = 0
     for piece in pieces:
-        rows = len(piece.rows)
+        rows, keys = len(piece.rows), piece.key_len
+        work = keys * (num_heads * rows + kv_elements)
         if groups:
-            first = groups[-1][0]
-            if len(first.rows).bit_length() == rows.bit_length() and (
-                piece.key_len <= 2 * max(first.key_len, 8)
+            widest, longest = max(max_rows, rows), max(max_keys, keys)
+            padded = (len(groups[-1]) + 1) * longest * (num_heads * widest + kv_elements)
+            if padded <= MAX_SCORE_ELEMENTS and padded <= 2 * (useful + work) + (
+                GROUP_OVERHEAD_ELEMENTS
             ):
-                widest = max(max_rows, rows)
-                cost = (len(groups[-1]) + 1) * piece.key_len * (num_heads * widest + kv_elements)
-                if cost <= MAX_SCORE_ELEMENTS:
-                    groups[-1].append(piece)
-                    max_rows = widest
-                    continue
+                groups[-1].append(piece)
+                max_rows, max_keys, useful = widest, longest, useful + work
+                continue
         groups.append([piece])
-        max_rows = rows
-    return groups
+        max_rows, max_keys, useful = rows, keys, work
+    # In row order inside a group: one group of every row in order reads q in place.
+    return [sorted(group, key=lambda p: p.rows[:1]) for group in groups]
 
 
 def _pad_group(
-    pieces: list[_Piece], block_tables: Tensor, block_size: int, causal: bool, group: int
+    pieces: list[_Piece], block_tables: Tensor, block_size: int, causal: bool, num_rows: int
 ) -> _Group:
     device = block_tables.device
 
@@ -569,11 +632,14 @@ def _pad_group(
     table = block_tables[column(p.table for p in pieces)].long()  # [P, max_blocks]
     block_ids = table.gather(1, key_position // block_size)  # [P, L]
     slots = block_ids * block_size + key_position % block_size  # [P, L]
-    if causal:
+    square = causal and all(len(p.rows) == p.key_len for p in pieces)
+    if square:
+        # Fresh chunks: row i sees own positions 0..i, padding rows and keys come last.
+        hidden = None
+    elif causal:
         # Row i of a piece sits at position key_len - rows + i.
         position = key_len[:, None] - counts[:, None] + row  # [P, R]
         hidden = key > position[:, :, None]  # [P, R, L]
-        hidden = hidden.repeat_interleave(group, dim=1)  # [P, R * group, L]
     elif bool((key_len < max_keys).any()):
         hidden = (key >= key_len[:, None])[:, None, :]  # [P, 1, L]
     else:
@@ -582,26 +648,40 @@ def _pad_group(
     if hidden is not None:
         zeros = torch.zeros(hidden.shape, dtype=torch.float32, device=device)
         bias = zeros.masked_fill_(hidden, -math.inf).unsqueeze(1)
-    return _Group(row_index, row_valid, row_index[row_valid], slots, bias)
+    flat_valid = row_valid.flatten()
+    valid_positions = None if bool(flat_valid.all()) else flat_valid.nonzero().flatten()
+    rows = row_index[row_valid]
+    identity = valid_positions is None and [r for p in pieces for r in p.rows] == list(
+        range(num_rows)
+    )
+    return _Group(row_index, row_valid, rows, slots, bias, square, valid_positions, identity)
 
 
 def _run_groups(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, groups: list[_Group], scale: float
 ) -> AttentionOutput:
-    num_rows, num_heads, _ = q.shape
-    num_kv_heads = k_cache.shape[2]
-    out = torch.zeros_like(q)  # [T, num_heads, head_dim]
-    lse = torch.full((num_rows, num_heads), -math.inf, dtype=torch.float32, device=q.device)
+    num_rows, num_heads, head_dim = q.shape
+    if len(groups) == 1 and groups[0].identity:  # one group holds every row, in order
+        out = lse = None
+    else:
+        out = torch.zeros_like(q)  # [T, num_heads, head_dim]
+        lse = torch.full((num_rows, num_heads), -math.inf, dtype=torch.float32, device=q.device)
     for g in groups:
-        max_rows = g.row_index.shape[1]
-        keys = _gather_slots(k_cache, g.slots)  # [kv, P, L, dim] fp32
-        values = _gather_slots(v_cache, g.slots)
-        packed = _pack_heads(q[g.row_index], num_kv_heads)  # [kv, P, R * group, dim]
-        group_out, group_lse = _attend(packed, keys, values, scale, g.bias)
-        group_out = _unpack_out(group_out, max_rows)  # [P, R, heads, dim]
-        group_lse = _unpack_lse(group_lse, max_rows)  # [P, R, heads]
-        out[g.rows] = group_out[g.row_valid].to(q.dtype)
-        lse[g.rows] = group_lse[g.row_valid]
+        small = _is_small(g, num_heads)
+        keys = _gather_slots(k_cache, g.slots, small)  # [P, kv, L, dim] fp32
+        values = _gather_slots(v_cache, g.slots, small)
+        queries = _group_queries(q, g)  # [P, heads, R, dim] fp32
+        group_out, group_lse = _attend(queries, keys, values, scale, g.bias, g.causal, small)
+        # [P, heads, R, dim] -> [P * R, heads, dim]; [P, heads, R] -> [P * R, heads]
+        group_out = group_out.transpose(1, 2).reshape(-1, num_heads, head_dim).to(q.dtype)
+        group_lse = group_lse.transpose(1, 2).reshape(-1, num_heads)
+        if g.valid_positions is not None:
+            group_out = group_out.index_select(0, g.valid_positions)  # [N, heads, dim]
+            group_lse = group_lse.index_select(0, g.valid_positions)
+        if out is None:
+            return AttentionOutput(group_out, group_lse)
+        out.index_copy_(0, g.rows, group_out)
+        lse.index_copy_(0, g.rows, group_lse)
     return AttentionOutput(out, lse)
 
 
@@ -620,9 +700,8 @@ def _groups(batch: OwnBatch | PrefixBatch, num_heads: int, num_kv_heads: int, he
             listed = _own_pieces(batch, _tile_rows(batch.max_context_len, num_heads, kv_elements))
         else:
             listed = _prefix_pieces(batch, _tile_rows(batch.max_length, num_heads, kv_elements))
-        group = num_heads // num_kv_heads
         batch.derived[key] = [
-            _pad_group(g, batch.block_tables, batch.block_size, causal, group)
+            _pad_group(g, batch.block_tables, batch.block_size, causal, batch.num_rows)
             for g in _group_pieces(listed, num_heads, kv_elements)
         ]
     return batch.derived[key]
@@ -751,6 +830,11 @@ def merge_attention_states(parts: Sequence[tuple[Tensor, Tensor]]) -> AttentionO
     merged_lse = torch.logsumexp(lse_stack, dim=0)  # [T, heads]; -inf where all parts are
     shift = torch.where(torch.isneginf(merged_lse), torch.zeros_like(merged_lse), merged_lse)
     weights = torch.exp(lse_stack - shift)  # [parts, T, heads]; 0 where a part saw no key
+    if bool((weights > 0).all()):  # every part weighs on every row: no out to ignore
+        merged = outs[0].float() * weights[0].unsqueeze(-1)  # a new tensor: inputs stay
+        for weight, out in zip(weights[1:], outs[1:]):
+            merged.addcmul_(out.float(), weight.unsqueeze(-1))
+        return AttentionOutput(merged.to(outs[0].dtype), merged_lse)
     merged = torch.zeros(outs[0].shape, dtype=torch.float32, device=outs[0].device)
     for weight, out in zip(weights, outs):
         weight = weight.unsqueeze(-1)  # [T, heads, 1]

@@ -162,6 +162,7 @@ class LLMOperator:
         )
 
     def _native_backend(self) -> Backend:
+        from llm_operator import kernels
         from llm_operator.engine.hf import eos_token_ids
         from llm_operator.engine.native.backend import NativeBackend
         from llm_operator.models import resolve_device, resolve_dtype
@@ -173,6 +174,14 @@ class LLMOperator:
         device = resolve_device(self.config.device)
         dtype = resolve_dtype(self.config.dtype, device)
         model = LlamaModel.from_pretrained(self.model.path, device=device, dtype=dtype)
+        heads = model.config  # on CUDA: self-check the Triton kernels (torch path on failure)
+        kernels.ensure_checked(
+            device,
+            dtype,
+            num_heads=heads.num_heads,
+            num_kv_heads=heads.num_kv_heads,
+            head_dim=heads.head_dim,
+        )
         return NativeBackend(
             model,
             self.tokenizer,

@@ -1,11 +1,19 @@
-"""``llm-operator bench`` end to end on a tiny model: every field of the JSON, not the speed."""
+"""``llm-operator bench`` end to end on a tiny model: every field of the JSON, not the speed;
+and the figures it derives (work in FLOP, matmul rate, decode steps) on hand-checked inputs."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
+from llm_operator.bench.decode_steps import backend_decode_profile, summarize_decode_steps
+from llm_operator.bench.flops import ModelShape, attention_keys, model_shape, work_flop
+from llm_operator.bench.rate import measure_matmul_rate, rate_for
+from llm_operator.bench.report import decode_table, markdown_table
+from llm_operator.bench.runner import vllm_engine_settings
+from llm_operator.bench.systems import SYSTEMS, SystemSpec
 from llm_operator.cli import main
 
 OUR_SYSTEMS = (
@@ -16,6 +24,7 @@ OUR_SYSTEMS = (
     "native-noshare",
     "native-notokenbatch",
 )
+BF16_SYSTEMS = ("native-bf16",)  # other arithmetic: its greedy answers may differ
 STATIC_SYSTEMS = ("hf-static", "hf-static-shuffled")
 VLLM_SYSTEMS = ("vllm", "vllm-plan")  # plain vLLM, and our backend="vllm" (both need the venv)
 RECORD_FIELDS = (
@@ -36,13 +45,19 @@ RECORD_FIELDS = (
     "peak_rss_bytes",
     "agreement_with_hf_static",
     "speedup_vs_hf_static",
+    "dtype",
+    "torch_threads",
+    "work_gflop",
+    "gflop_per_second",
+    "rate_fraction",
 )
+WORKLOADS = ("etl-fewshot", "doc-qa", "table-rows", "no-sharing", "long-answers")
 
 
 @pytest.fixture(scope="module")
 def quick_report(tiny_llama_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    systems = ",".join((*STATIC_SYSTEMS, *OUR_SYSTEMS, *VLLM_SYSTEMS))
+    systems = ",".join((*STATIC_SYSTEMS, *OUR_SYSTEMS, *BF16_SYSTEMS, *VLLM_SYSTEMS))
     code = main(
         [
             "bench",
@@ -73,8 +88,8 @@ def test_quick_run_writes_every_field(quick_report):
         assert report[key] is not None, key
     assert report["size"] == "tiny" and report["repeat"] == 2
     names = [w["name"] for w in report["workloads"]]
-    assert names == ["etl-fewshot", "doc-qa", "table-rows", "no-sharing"]
-    systems = len(STATIC_SYSTEMS) + len(OUR_SYSTEMS) + len(VLLM_SYSTEMS)
+    assert names == list(WORKLOADS)
+    systems = len(STATIC_SYSTEMS) + len(OUR_SYSTEMS) + len(BF16_SYSTEMS) + len(VLLM_SYSTEMS)
     assert len(report["results"]) == len(names) * systems
     for record in report["results"]:
         if record["system"] in VLLM_SYSTEMS:
@@ -104,8 +119,51 @@ def test_every_system_gives_hf_static_answers(quick_report):
     change the speed, never the answer."""
     _, report = quick_report
     for record in report["results"]:
-        if record["status"] == "ok":
+        if record["status"] == "ok" and record["system"] not in BF16_SYSTEMS:
             assert record["agreement_with_hf_static"] == 1.0, record
+
+
+def test_machine_rate_and_work_figures(quick_report):
+    """The rate is measured per dtype before the systems run; each record's GFLOP follows
+    work_flop on the workload's token counts, and % rate divides by its own dtype's rate."""
+    out, report = quick_report
+    rates = report["machine"]["matmul_rate"]
+    assert rates["tokens"] == 1024 and rates["threads"] == report["machine"]["torch_threads"]
+    assert [name for name, _, _ in rates["shapes"]] == ["qkv", "o_proj", "gate_up", "down"]
+    for dtype in ("float32", "bfloat16"):
+        assert rates[dtype]["gflops"] > 0, rates
+    shape = ModelShape(**report["model_shape"])
+    assert shape.num_layers == 2 and shape.hidden_size == 64
+    by = {(r["system"], r["workload"]): r for r in report["results"]}
+    for (system, _), record in by.items():
+        if record["status"] != "ok":
+            continue
+        assert record["dtype"] == ("bfloat16" if system in BF16_SYSTEMS else "float32")
+        rate = rates[record["dtype"]]["gflops"]
+        assert record["gflop_per_second"] == pytest.approx(record["work_gflop"] / record["seconds"])
+        assert record["rate_fraction"] == pytest.approx(record["gflop_per_second"] / rate)
+        assert record["torch_threads"] == rates["threads"]
+    # More prefill computed, more work: hf-noshare against hf on the same outputs.
+    for name in ("etl-fewshot", "doc-qa"):
+        assert by["hf-noshare", name]["work_gflop"] > by["hf", name]["work_gflop"]
+    markdown = (out / "tiny.md").read_text()
+    assert "Matmul rate" in markdown and "float32" in markdown and "bfloat16" in markdown
+    assert markdown.count("| GFLOP | GFLOP/s | % rate |") == len(WORKLOADS)
+
+
+def test_long_answers_decode_every_token_in_every_system(quick_report):
+    """ignore_eos reaches every system: each row decodes exactly its max_tokens."""
+    _, report = quick_report
+    workload = next(w for w in report["workloads"] if w["name"] == "long-answers")
+    assert workload["ignore_eos"] is True
+    assert all(not w["ignore_eos"] for w in report["workloads"] if w is not workload)
+    ran = [r for r in report["results"] if r["workload"] == "long-answers" and r["status"] == "ok"]
+    assert {r["system"] for r in ran} == {*STATIC_SYSTEMS, *OUR_SYSTEMS, *BF16_SYSTEMS}
+    for record in ran:
+        assert record["output_tokens"] == workload["max_tokens_total"], record["system"]
+    native = next(r for r in ran if r["system"] == "native")
+    if "decode_profile" in native:  # when the native backend lists its steps
+        assert native["decode_profile"]["by_batch"]
 
 
 def test_prefill_figures_follow_the_plan(quick_report):
@@ -164,3 +222,137 @@ def test_bench_planner_writes_rates(tmp_path, capsys):
         assert result["prompts_per_second"] > 0 and result["tokens_per_second"] > 0
         assert 0 < result["saving_ratio"] < 1
     assert "planner:" in capsys.readouterr().out
+
+
+# -- figures on hand-checked inputs ------------------------------------------------------
+TINY_SHAPE = ModelShape(
+    hidden_size=4,
+    intermediate_size=6,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=2,
+    num_layers=3,
+    vocab_size=10,
+)
+
+
+def test_work_flop_matches_a_hand_computation():
+    # Per layer: qkv 4 x (2 + 2 x 1) x 2 = 32, o_proj 4 x 4 = 16, gate_up 4 x 12 = 48,
+    # down 6 x 4 = 24: 120 weights, x 3 layers = 360, so 720 FLOP per token. A key costs
+    # 4 x 3 x 2 x 2 = 48 FLOP, the output head 2 x 10 x 4 = 80.
+    assert TINY_SHAPE.linear_weights() == 360
+    flop = work_flop(
+        TINY_SHAPE, prefill_tokens=5, output_tokens=2, prefill_keys=3.0, output_keys=7.5
+    )
+    assert flop == 5 * (720 + 48 * 3.0) + 2 * (720 + 80 + 48 * 7.5) == 6640
+    assert (
+        work_flop(TINY_SHAPE, prefill_tokens=0, output_tokens=0, prefill_keys=9, output_keys=9) == 0
+    )
+    with pytest.raises(ValueError, match="prefill_tokens=-1"):
+        work_flop(TINY_SHAPE, prefill_tokens=-1, output_tokens=0, prefill_keys=0, output_keys=0)
+
+
+def test_attention_keys_average_the_context_positions():
+    # prompts of 2 and 4 tokens: keys 1, 2 and 1, 2, 3, 4 -> 13 / 6; only row 0 decodes,
+    # 2 tokens after a 2-token prompt -> 2 + 2 / 2 = 3.
+    assert attention_keys([2, 4], [2, 0]) == (pytest.approx(13 / 6), 3.0)
+    assert attention_keys([3], [0]) == (2.0, 0.0)
+    with pytest.raises(ValueError, match="2 prompt lengths but 1 output"):
+        attention_keys([2, 4], [1])
+
+
+def test_smollm2_costs_212_mflop_per_token():
+    config = {
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "num_hidden_layers": 30,
+        "vocab_size": 49152,
+    }
+    shape = model_shape(config)
+    assert shape.linear_weights() == 106_168_320
+    one_prefill = work_flop(shape, prefill_tokens=1, output_tokens=0, prefill_keys=0, output_keys=0)
+    one_output = work_flop(shape, prefill_tokens=0, output_tokens=1, prefill_keys=0, output_keys=0)
+    assert one_prefill == pytest.approx(212.3e6, rel=1e-3)
+    assert one_output == pytest.approx(212.3e6 + 56.6e6, rel=1e-3)
+    assert model_shape({**config, "head_dim": None}).head_dim == 64  # hidden / heads
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        model_shape({**config, "num_hidden_layers": None})
+
+
+def test_matmul_rate_on_a_small_shape():
+    rates = measure_matmul_rate(TINY_SHAPE, tokens=8, dtypes=("float32",), warmup=1, repeats=2)
+    assert rates["tokens"] == 8 and rates["device"] == "cpu" and rates["threads"] >= 1
+    assert set(rates["float32"]["by_shape"]) == {"qkv", "o_proj", "gate_up", "down"}
+    assert rate_for(rates, "torch.float32") == rates["float32"]["gflops"] > 0
+    assert rate_for(rates, "bfloat16") is None and rate_for(None, "float32") is None
+    with pytest.raises(ValueError, match="repeats=0"):
+        measure_matmul_rate(TINY_SHAPE, repeats=0)
+
+
+def test_decode_steps_median_per_batch_size():
+    steps = [
+        (40, 2, 0.5),  # prefill with two rows sampled: not a decode step
+        (2, 2, 0.010),
+        (2, 2, 0.030),
+        (2, 2, 0.020),
+        (5, 1, 0.4),  # decode and prefill mixed
+        (1, 1, 0.004),
+        "junk",
+    ]
+    summary = summarize_decode_steps(steps)
+    assert summary["iterations"] == 7 and summary["decode_iterations"] == 4
+    assert summary["decode_seconds"] == pytest.approx(0.064)
+    assert summary["by_batch"] == [
+        {"rows": 1, "iterations": 1, "median_ms": pytest.approx(4.0)},
+        {"rows": 2, "iterations": 3, "median_ms": pytest.approx(20.0)},
+    ]
+    assert summarize_decode_steps([(40, 2, 0.5)]) is None
+    native = SimpleNamespace(name="native", last_profile={"steps": steps})
+    assert backend_decode_profile(native) == summary
+    assert backend_decode_profile(SimpleNamespace(name="native", last_profile={})) is None
+    assert backend_decode_profile(SimpleNamespace(name="hf", last_profile={"steps": steps})) is None
+    record = {
+        "system": "native",
+        "workload": "long-answers",
+        "status": "ok",
+        "decode_profile": summary,
+    }
+    table = decode_table([record], "long-answers")
+    assert "| batch | native |" in table and "| 2 | 20.0 (3) |" in table
+    assert decode_table([record], "doc-qa") == []
+
+
+def test_markdown_header_names_the_rates():
+    machine = {
+        "cpu": "Test CPU",
+        "cpu_count": 2,
+        "torch": "2.x",
+        "torch_threads": 2,
+        "matmul_rate": {
+            "tokens": 1024,
+            "threads": 2,
+            "device": "cpu",
+            "float32": {"gflops": 160.4},
+            "bfloat16": {"error": "RuntimeError: no kernel"},
+        },
+    }
+    text = markdown_table([], [], machine=machine, title="t")
+    assert text.startswith("# t\n")
+    assert "float32 160 GFLOP/s" in text and "bfloat16 unavailable (RuntimeError" in text
+
+
+def test_per_system_dtype_and_block_size():
+    assert SYSTEMS["native-bf16"].dtype == "bfloat16"
+    assert vllm_engine_settings(SYSTEMS["vllm"], None) == (True, "float32", None)
+    assert vllm_engine_settings(SYSTEMS["vllm"], 64) == (True, "float32", 64)  # the global flag
+    assert vllm_engine_settings(SYSTEMS["vllm-bf16"], 64) == (True, "bfloat16", 64)
+    assert vllm_engine_settings(SYSTEMS["vllm-b32"], 64) == (True, "float32", 32)
+    assert vllm_engine_settings(SYSTEMS["vllm-b32-bf16"], None) == (True, "bfloat16", 32)
+    assert vllm_engine_settings(SYSTEMS["vllm-noprefix"], None) == (False, "float32", None)
+    with pytest.raises(ValueError, match="block_size is for vLLM systems only"):
+        SystemSpec("x", "operator", "d", {"backend": "native"}, block_size=32)
+    with pytest.raises(ValueError, match="dtype='fp8'"):
+        SystemSpec("x", "vllm", "d", dtype="fp8")

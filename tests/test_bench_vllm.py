@@ -23,6 +23,7 @@ from llm_operator.bench.vllm_systems import (
     VLLMRunError,
     VLLMUnavailable,
     find_vllm_python,
+    has_nvidia_gpu,
     run_vllm_job,
 )
 
@@ -209,6 +210,11 @@ def test_bench_runs_the_vllm_backend_beside_plain_vllm(vllm_llama_dir, tmp_path)
     args += ["--vllm-block-size", str(BLOCK_SIZE), "--out", str(tmp_path), "--name", "v"]
     assert main(args) == 0
     report = json.loads((tmp_path / "v.json").read_text())
+    engine = report["vllm"]["engines"]["vllm"]
+    assert engine["block_size"] == BLOCK_SIZE  # --vllm-block-size is the default
+    if not has_nvidia_gpu():  # VLLM_ENABLE_V1_MULTIPROCESSING=0: the model runs in the runner
+        assert engine["in_process_engine"] and engine["engine_core_client"] == "InprocClient"
+        assert engine["torch_threads"] >= 1
     by = {(r["system"], r["workload"]): r for r in report["results"]}
     for workload in report["workloads"]:
         plan, plain = by["vllm-plan", workload["name"]], by["vllm", workload["name"]]

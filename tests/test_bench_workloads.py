@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 from llm_operator.bench import text
 from llm_operator.bench.workloads import (
+    IGNORE_EOS_WORKLOADS,
     PRESETS,
     SIZES,
     WORKLOAD_NAMES,
@@ -94,7 +95,7 @@ def test_tiny_fits_the_tiny_model(tokenizer, name):
     workload = make_workload(name, tokenizer, size="tiny")
     ids = token_ids(tokenizer, workload.prompts)
     assert 6 <= len(ids) <= 12
-    assert in_range(workload.max_tokens, (2, 6))
+    assert in_range(workload.max_tokens, (16, 24) if name == "long-answers" else (2, 6))
     assert max(len(row) + m for row, m in zip(ids, workload.max_tokens)) <= 190  # context 256
     assert all(isinstance(p, str) == (name == "no-sharing") for p in workload.prompts)
 
@@ -203,6 +204,33 @@ def test_doc_qa_shares_on_two_levels(tokenizer):
     assert in_range([count(tokenizer, doc) for doc in set(docs)], (lo, hi + SENTENCE_SLACK))
     lo, hi = workload.params["question_tokens"]
     assert in_range([count(tokenizer, q) for _, q in parts], (lo, hi + SENTENCE_SLACK))
+
+
+# -- long-answers -------------------------------------------------------------------------
+def test_only_long_answers_ignores_eos(tokenizer):
+    assert IGNORE_EOS_WORKLOADS == {"long-answers"}
+    for name in WORKLOAD_NAMES:
+        assert make_workload(name, tokenizer, size="tiny").ignore_eos == (name == "long-answers")
+
+
+def test_long_answers_share_long_documents_and_decode_long(tokenizer):
+    workload = make_workload("long-answers", tokenizer, size="default")
+    p = workload.params
+    assert (p["documents"], p["questions_per_document"]) == (2, 8)
+    assert len(workload.prompts) == 16
+    assert in_range(workload.max_tokens, p["max_tokens"])
+    assert 230 <= sum(workload.max_tokens) / len(workload.max_tokens) <= 280  # ~256 each
+    assert len(set(workload.max_tokens)) > 4  # rows end apart: decode batches shrink
+    plan = plan_of(tokenizer, workload)
+    assert plan.stats.groups == p["documents"]
+    assert plan.stats.saving_ratio > 0.8  # the document is most of each prompt
+    pattern = re.compile(r"Document:\n(.*)\n\nQuestion: (.*)", re.S)
+    parts = [pattern.fullmatch(prompt[1]["content"]).groups() for prompt in workload.prompts]
+    docs = {doc for doc, _ in parts}
+    assert len(docs) == p["documents"]
+    lo, hi = p["document_tokens"]
+    assert in_range([count(tokenizer, doc) for doc in docs], (lo, hi + SENTENCE_SLACK))
+    assert "long answers" in workload.description and "EOS ignored" in workload.description
 
 
 # -- table-rows ---------------------------------------------------------------------------

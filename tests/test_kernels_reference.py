@@ -341,22 +341,46 @@ def test_own_attention_work_plan_covers_rows_once_within_budget(monkeypatch):
     for group in groups:
         counts_in = group.row_valid.sum(dim=1).tolist()
         padded = group.row_index.shape[1]
-        assert all(c.bit_length() == padded.bit_length() for c in counts_in)  # < 2x row padding
         cost = len(counts_in) * group.slots.shape[1] * (num_heads * padded + kv_elements)
         assert len(counts_in) == 1 or cost <= 20_000
+        assert group.valid_positions is None or len(group.valid_positions) == sum(counts_in)
     assert any(group.row_index.shape[0] > 1 for group in groups)
 
 
-def test_pieces_are_grouped_with_less_than_2x_key_padding():
+def _padded_and_useful(group, num_heads: int, kv_elements: int) -> tuple[int, int]:
+    rows = max(len(p.rows) for p in group)
+    keys = max(p.key_len for p in group)
+    padded = len(group) * keys * (num_heads * rows + kv_elements)
+    useful = sum(p.key_len * (num_heads * len(p.rows) + kv_elements) for p in group)
+    return padded, useful
+
+
+def test_small_pieces_share_one_group_whatever_their_padding():
+    """Decode rows: a call per group costs more than padding them to one shape."""
     pieces = [
         reference._Piece(i, (i,), key_len) for i, key_len in enumerate([9, 400, 17, 30, 200, 33, 8])
     ]
     groups = reference._group_pieces(pieces, num_heads=4, kv_elements=64)
-    assert sorted(p.table for g in groups for p in g) == list(range(7))
+    assert [sorted(p.table for p in g) for g in groups] == [list(range(7))]
+
+
+def test_large_pieces_are_grouped_within_twice_their_work():
+    """Prefill tiles: padding may at most double a group's work (plus one group's overhead),
+    so very different key lengths or row counts never share a group."""
+    num_heads, kv_elements = 8, 64
+    shapes = [(64, 1000), (64, 4000), (60, 1100), (64, 1900), (8, 3000), (64, 4100), (33, 900)]
+    pieces = [
+        reference._Piece(i, tuple(range(rows)), keys) for i, (rows, keys) in enumerate(shapes)
+    ]
+    groups = reference._group_pieces(pieces, num_heads=num_heads, kv_elements=kv_elements)
+    assert sorted(p.table for g in groups for p in g) == list(range(len(shapes)))
     for group in groups:
-        keys = [p.key_len for p in group]
-        assert max(keys) <= 2 * max(min(keys), 8)
-    assert [len(g) for g in groups] == [2, 3, 2]  # 8 9 | 17 30 33 | 200 400
+        padded, useful = _padded_and_useful(group, num_heads, kv_elements)
+        assert padded <= 2 * useful + reference.GROUP_OVERHEAD_ELEMENTS
+    together = {frozenset(p.table for p in g) for g in groups}
+    assert not any({0, 1} <= g for g in together)  # 1000 and 4000 keys: 4x padding
+    assert any({1, 5} <= g for g in together)  # 4000 and 4100 keys, 64 rows: alike
+    assert len(groups) < len(shapes)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -3,6 +3,7 @@ fixed-size batches in input order, each batch run to completion."""
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -27,18 +28,24 @@ def run_hf_static(
     max_tokens: int | Sequence[int],
     batch_size: int,
     stop: Sequence[str] = (),
+    ignore_eos: bool = False,
 ) -> StaticRun:
     """Greedy ``model.generate`` over ``prompts`` (token ids), ``batch_size`` at a time, left-padded.
 
     max_tokens: one limit, or one per prompt; a batch runs to its largest limit (as one
     ``generate`` call must) and each row is cut to its own afterwards.
+    ignore_eos: never stop at EOS (it is generated like any other token), so every row
+    gets exactly its max_tokens, as ``SamplingParams(ignore_eos=True)`` does.
     """
     limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
     if len(limits) != len(prompts):
         raise ValueError(f"max_tokens has {len(limits)} limits for {len(prompts)} prompts")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = model.generation_config.eos_token_id
-    eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
+    eos_ids = set() if ignore_eos else set([eos] if isinstance(eos, int) else (eos or []))
+    generation_config = copy.deepcopy(model.generation_config)
+    if ignore_eos:
+        generation_config.eos_token_id = []  # None would be refilled from the model's config
     device = next(model.parameters()).device
     outputs: list[list[int]] = []
     padded = 0
@@ -56,6 +63,7 @@ def run_hf_static(
         generated = model.generate(
             input_ids=input_ids.to(device),
             attention_mask=mask.to(device),
+            generation_config=generation_config,
             max_new_tokens=max(limits[begin : begin + batch_size]),
             do_sample=False,
             pad_token_id=pad,

@@ -6,6 +6,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from llm_operator.bench.rate import RATE_DTYPES, describe_rate
+
+DECODE_TABLE_WORKLOADS = ("long-answers",)
+
 
 def _number(value: Any, digits: int = 1, suffix: str = "") -> str:
     if value is None:
@@ -19,9 +23,80 @@ def _mib(value: int | None) -> str:
     return "-" if value is None else f"{value / 2**20:.0f}"
 
 
-def markdown_table(records: Sequence[dict], workloads: Sequence[dict]) -> str:
-    """One table per workload: a row per system with every metric and the two ratios."""
-    lines: list[str] = []
+def _figure(value: float | None) -> str:
+    """Three significant digits below 100, whole numbers with separators above."""
+    if value is None:
+        return "-"
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def machine_header(machine: dict[str, Any], title: str | None = None) -> list[str]:
+    """The report's opening lines: the machine and its measured matmul rate."""
+    rates = machine.get("matmul_rate")
+    lines = [f"# {title}", ""] if title else []
+    where = machine.get("gpu") or machine.get("cpu") or "unknown machine"
+    lines.append(
+        f"Machine: {where}, {machine.get('cpu_count')} CPUs, torch {machine.get('torch')} "
+        f"({machine.get('torch_threads')} threads)."
+    )
+    if rates:
+        measured = {key: rates[key] for key in RATE_DTYPES if key in rates}
+        lines.append(
+            f"Matmul rate (torch linear on the model's qkv, o_proj, gate_up and down shapes, "
+            f"M={rates['tokens']} tokens, {rates['threads']} threads, {rates['device']}, "
+            f"median): {describe_rate(measured)}. `GFLOP` is each run's work (prefill tokens "
+            "x per-token FLOP + output tokens x (per-token + output-head FLOP)), `% rate` its "
+            "GFLOP/s over the rate of the system's dtype."
+        )
+    else:
+        lines.append("Matmul rate: not measured (no Llama-family model shape).")
+    return [*lines, ""]
+
+
+def decode_table(records: Sequence[dict], workload: str) -> list[str]:
+    """The "decode ms per iteration vs batch size" table of the systems that profiled it."""
+    profiled = [
+        r
+        for r in records
+        if r["workload"] == workload and r["status"] == "ok" and r.get("decode_profile")
+    ]
+    if not profiled:
+        return []
+    medians = {
+        r["system"]: {b["rows"]: b for b in r["decode_profile"]["by_batch"]} for r in profiled
+    }
+    batches = sorted({rows for by in medians.values() for rows in by})
+    lines = [
+        f"Decode ms per iteration vs batch size ({workload}; median over decode-only "
+        "iterations, their count in brackets):",
+        "",
+        "| batch | " + " | ".join(medians) + " |",
+        "|---:|" + "---:|" * len(medians),
+    ]
+    for rows in batches:
+        cells = [
+            f"{by[rows]['median_ms']:.1f} ({by[rows]['iterations']})" if rows in by else "-"
+            for by in medians.values()
+        ]
+        lines.append(f"| {rows} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def markdown_table(
+    records: Sequence[dict],
+    workloads: Sequence[dict],
+    *,
+    machine: dict[str, Any] | None = None,
+    title: str | None = None,
+) -> str:
+    """One table per workload: a row per system with every metric and the two ratios,
+    under ``machine_header`` when ``machine`` is given; for the decode-heavy workloads
+    (DECODE_TABLE_WORKLOADS) a ``decode_table`` follows."""
+    lines: list[str] = machine_header(machine, title) if machine is not None else []
     for workload in workloads:
         s = workload["summary"]
         lines += [
@@ -32,27 +107,31 @@ def markdown_table(records: Sequence[dict], workloads: Sequence[dict]) -> str:
             f"output tokens.",
             "",
             "| system | gen s | load s | out tok/s | rows/s | prefill tokens | vs min "
-            "| peak MiB | same as hf-static | x hf-static | x vllm |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| GFLOP | GFLOP/s | % rate | peak MiB | same as hf-static | x hf-static | x vllm |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in records:
             if r["workload"] != workload["name"]:
                 continue
             if r["status"] != "ok":
                 reason = (r["error"] or "").splitlines()[0][:100]
-                lines.append(f"| {r['system']} | {r['status']}: {reason} |||||||||| ")
+                lines.append(f"| {r['system']} | {r['status']}: {reason} " + "|" * 13 + " ")
                 continue
             agreement = r.get("agreement_with_hf_static")
             peak = r.get("peak_device_bytes") or r.get("peak_rss_bytes")
             lines.append(
                 f"| {r['system']} | {r['seconds']:.3g} | {_number(r.get('load_seconds'))} "
                 f"| {_number(r['output_tokens_per_second'])} | {_number(r['rows_per_second'], 2)} "
-                f"| {r['prefill_tokens_computed']:,} | {r['prefill_vs_min']:.2f}x | {_mib(peak)} "
+                f"| {r['prefill_tokens_computed']:,} | {r['prefill_vs_min']:.2f}x "
+                f"| {_figure(r.get('work_gflop'))} | {_figure(r.get('gflop_per_second'))} "
+                f"| {_percent(r.get('rate_fraction'))} | {_mib(peak)} "
                 f"| {'-' if agreement is None else f'{agreement:.0%}'} "
                 f"| {_number(r.get('speedup_vs_hf_static'), 2, 'x')} "
                 f"| {_number(r.get('speedup_vs_vllm'), 2, 'x')} |"
             )
         lines.append("")
+        if workload["name"] in DECODE_TABLE_WORKLOADS:
+            lines += decode_table(records, workload["name"])
     return "\n".join(lines)
 
 

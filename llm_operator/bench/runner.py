@@ -2,8 +2,8 @@
 
 The parent process builds the workloads and tokenizes them once (the same token ids go to
 every system), then runs each system in a subprocess (``bench.worker``; vLLM through
-``bench.vllm_systems``) and collects one record per (system, workload). Metrics are
-computed here, from what the systems returned, the same way for all of them.
+``bench.vllm_systems``); ``bench.records`` turns what they returned into one record per
+(system, workload), the same way for all of them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -20,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from llm_operator.bench.systems import BASELINE, VLLM_REFERENCE, SystemSpec
+from llm_operator.bench.systems import SystemSpec
 
 Log = Callable[[str], None]
 
@@ -72,6 +71,7 @@ def prepare_workloads(operator, names: Sequence[str], *, size: str, seed: int) -
                 "prompts": workload.prompts,
                 "token_ids": token_ids,
                 "max_tokens": list(workload.max_tokens),
+                "ignore_eos": workload.ignore_eos,
                 "input_order": list(range(len(token_ids))),
                 "shuffled_order": shuffled,
                 "summary": {
@@ -82,6 +82,7 @@ def prepare_workloads(operator, names: Sequence[str], *, size: str, seed: int) -
                     "groups": plan.stats.groups,
                     "max_tokens_total": sum(workload.max_tokens),
                     "longest_prompt": max(len(ids) for ids in token_ids),
+                    "ignore_eos": workload.ignore_eos,
                 },
             }
         )
@@ -105,12 +106,13 @@ def run_worker_system(
     python: str | None = None,
 ) -> dict:
     """Run a "static" or "operator" system in a ``bench.worker`` subprocess (in ``python``,
-    default this interpreter); its RESULT dict."""
+    default this interpreter); its RESULT dict. ``spec.dtype`` goes in as the "dtype" option."""
+    dtype = {"dtype": spec.dtype} if spec.dtype is not None else {}
     job = {
         "system": spec.name,
         "kind": spec.kind,
         "model": model_path,
-        "options": {**spec.options, **options},
+        "options": {**spec.options, **dtype, **options},
         "repeat": repeat,
         "warmup": True,
         "workloads": [
@@ -119,6 +121,7 @@ def run_worker_system(
                 "prompts": w["prompts"],
                 "token_ids": w["token_ids"],
                 "max_tokens": w["max_tokens"],
+                "ignore_eos": w["ignore_eos"],
                 "order": _order(w, spec),
             }
             for w in workloads
@@ -143,6 +146,16 @@ def run_worker_system(
         return json.loads(result_path.read_text())
 
 
+def vllm_engine_settings(spec: SystemSpec, block_size: int | None) -> tuple[bool, str, int | None]:
+    """(prefix caching, dtype, KV block size) of a plain vLLM system: its own dtype (default
+    float32) and block size, else ``block_size`` (``--vllm-block-size``; None: vLLM's)."""
+    return (
+        bool(spec.options.get("prefix_caching", True)),
+        spec.dtype or "float32",
+        spec.block_size if spec.block_size is not None else block_size,
+    )
+
+
 def run_vllm_systems(
     specs: list[SystemSpec],
     model_path: str,
@@ -156,19 +169,25 @@ def run_vllm_systems(
     timeout: float | None,
     log: Log,
 ) -> dict[str, dict]:
-    """Run the vLLM systems, one engine per prefix-caching setting; RESULT dict per system."""
+    """Run the vLLM systems, one engine per distinct ``vllm_engine_settings``; RESULT dict
+    per system."""
     from llm_operator.bench.vllm_systems import VLLMRunError, VLLMUnavailable, run_vllm_job
 
     results: dict[str, dict] = {}
-    for caching in (True, False):
-        group = [s for s in specs if s.options.get("prefix_caching", True) == caching]
-        if not group:
-            continue
+    engines: dict[tuple[bool, str, int | None], list[SystemSpec]] = {}
+    for spec in specs:
+        engines.setdefault(vllm_engine_settings(spec, block_size), []).append(spec)
+    for (caching, dtype, engine_block_size), group in engines.items():
+        log(
+            f"bench: vLLM engine (prefix caching {'on' if caching else 'off'}, {dtype}, "
+            f"block {engine_block_size or 'default'}) for {', '.join(s.name for s in group)}"
+        )
         runs = [
             {
                 "name": f"{spec.name}/{w['name']}",
                 "prompts": w["token_ids"],
                 "max_tokens": w["max_tokens"],
+                "ignore_eos": w["ignore_eos"],
                 "order": _order(w, spec),
             }
             for spec in group
@@ -176,14 +195,14 @@ def run_vllm_systems(
         ]
         job = {
             "model": model_path,
-            "dtype": "float32",
+            "dtype": dtype,
             "prefix_caching": caching,
             "prompts": [],
             "max_tokens": [],
             "runs": runs,
             "repeat": repeat,
             "kv_cache_gib": kv_cache_gib,
-            "block_size": block_size,
+            "block_size": engine_block_size,
             "enforce_eager": True if eager else None,
             "max_model_len": max(
                 len(ids) + m for w in workloads for ids, m in zip(w["token_ids"], w["max_tokens"])
@@ -201,13 +220,24 @@ def run_vllm_systems(
                 results[spec.name] = {"error": f"{type(error).__name__}: {error}"}
             continue
         by_name = {run["name"]: run for run in result["runs"]}
+        engine = {
+            key: result.get(key)
+            for key in (
+                "load_seconds",
+                "vllm_version",
+                "kv_cache_tokens",
+                "block_size",
+                "dtype",
+                "torch_threads",
+                "in_process_engine",
+                "engine_core_client",
+            )
+        }
         for spec in group:
             results[spec.name] = {
-                "load_seconds": result.get("load_seconds"),
+                **engine,
+                "dtype": result.get("dtype") or dtype,
                 "device": result.get("device", "cpu"),
-                "vllm_version": result.get("vllm_version"),
-                "kv_cache_tokens": result.get("kv_cache_tokens"),
-                "block_size": result.get("block_size"),
                 "runs": [
                     {
                         **by_name[f"{spec.name}/{w['name']}"],
@@ -226,89 +256,6 @@ def _child_env() -> dict[str, str]:
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     return env
-
-
-# -- metrics ---------------------------------------------------------------------------
-def _normalize(ids: Sequence[int], eos_ids: set[int]) -> list[int]:
-    """Generated ids without trailing EOS (systems differ in whether they keep it)."""
-    ids = list(ids)
-    while ids and ids[-1] in eos_ids:
-        ids.pop()
-    return ids
-
-
-def build_records(
-    specs: list[SystemSpec],
-    raw: dict[str, dict],
-    workloads: list[dict],
-    eos_ids: set[int],
-) -> list[dict]:
-    """One record per (system, workload) with every metric, ratios filled in last."""
-    outputs: dict[tuple[str, str], list[list[int]]] = {}
-    records = []
-    for spec in specs:
-        result = raw.get(spec.name, {"error": "not run"})
-        runs = {run["workload"]: run for run in result.get("runs", [])}
-        for w in workloads:
-            summary = w["summary"]
-            record: dict[str, Any] = {
-                "system": spec.name,
-                "workload": w["name"],
-                "description": spec.description,
-                "status": "ok",
-                "error": None,
-                "rows": summary["rows"],
-                "prompt_tokens": summary["prompt_tokens"],
-                "min_prefill_tokens": summary["min_prefill_tokens"],
-            }
-            run = runs.get(w["name"])
-            if "skipped" in result:
-                record.update(status="skipped", error=result["skipped"])
-                records.append(record)
-                continue
-            if "error" in result or run is None:
-                record.update(status="failed", error=result.get("error", "no result"))
-                records.append(record)
-                continue
-            generated = [_normalize(ids, eos_ids) for ids in run["token_ids"]]
-            outputs[(spec.name, w["name"])] = generated
-            seconds = statistics.median(run["seconds"])
-            output_tokens = sum(len(ids) for ids in generated)
-            record.update(
-                load_seconds=result.get("load_seconds"),
-                seconds=seconds,
-                seconds_all=run["seconds"],
-                output_tokens=output_tokens,
-                output_tokens_per_second=output_tokens / seconds if seconds else None,
-                rows_per_second=summary["rows"] / seconds if seconds else None,
-                prefill_tokens_computed=run["prefill_tokens_computed"],
-                prefill_vs_min=run["prefill_tokens_computed"] / summary["min_prefill_tokens"],
-                peak_rss_bytes=run.get("peak_rss_bytes"),
-                peak_device_bytes=run.get("peak_device_bytes"),
-                device=result.get("device"),
-            )
-            records.append(record)
-    for record in records:
-        if record["status"] != "ok":
-            continue
-        baseline = outputs.get((BASELINE, record["workload"]))
-        mine = outputs[(record["system"], record["workload"])]
-        record["agreement_with_hf_static"] = (
-            sum(a == b for a, b in zip(mine, baseline)) / len(mine) if baseline else None
-        )
-        for key, reference in (("vs_hf_static", BASELINE), ("vs_vllm", VLLM_REFERENCE)):
-            other = next(
-                (
-                    r
-                    for r in records
-                    if r["system"] == reference
-                    and r["workload"] == record["workload"]
-                    and r["status"] == "ok"
-                ),
-                None,
-            )
-            record[f"speedup_{key}"] = other["seconds"] / record["seconds"] if other else None
-    return records
 
 
 # -- machine ---------------------------------------------------------------------------

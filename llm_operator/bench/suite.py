@@ -9,17 +9,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+from llm_operator.bench.flops import ModelShape, model_shape
+from llm_operator.bench.rate import RATE_DTYPES, describe_rate, measure_matmul_rate
+from llm_operator.bench.records import build_records
 from llm_operator.bench.report import markdown_table, write_chart
 from llm_operator.bench.runner import (
+    Log,
     _stderr,
-    build_records,
     machine_info,
     now,
     prepare_workloads,
     run_vllm_systems,
     run_worker_system,
 )
-from llm_operator.bench.systems import BASELINE, parse_systems
+from llm_operator.bench.systems import BASELINE, SystemSpec, parse_systems
 from llm_operator.bench.vllm_systems import VLLMUnavailable, find_vllm_python
 
 
@@ -51,6 +54,23 @@ def eos_token_ids(model_path: str, tokenizer) -> set[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
+
+
+def machine_rate(operator, log: Log) -> tuple[ModelShape | None, dict[str, Any] | None]:
+    """The model's shape and the matmul rate on it (``rate.measure_matmul_rate``), measured
+    here before any system runs; (None, None) for a config without Llama-family sizes."""
+    try:
+        shape = model_shape(operator.model_config)
+    except ValueError as error:
+        log(f"bench: no FLOP figures: {error}")
+        return None, None
+    rates = measure_matmul_rate(shape)
+    log(
+        f"bench: torch linear on the model's shapes at M={rates['tokens']}, "
+        f"{rates['threads']} threads, {rates['device']}: "
+        f"{describe_rate({k: rates[k] for k in RATE_DTYPES if k in rates})}"
+    )
+    return shape, rates
 
 
 def run_benchmark(
@@ -93,7 +113,9 @@ def run_benchmark(
         log(
             f"  {w['name']}: {s['rows']} rows, {s['prompt_tokens']:,} prompt tokens, "
             f"minimum prefill {s['min_prefill_tokens']:,}, max tokens {s['max_tokens_total']:,}"
+            + (" (EOS ignored)" if s["ignore_eos"] else "")
         )
+    shape, rates = machine_rate(operator, log)  # before any system runs
     raw: dict[str, dict] = {}
     worker_specs = [spec for spec in specs if spec.kind != "vllm"]
     vllm_specs = [spec for spec in specs if spec.kind == "vllm"]
@@ -108,7 +130,8 @@ def run_benchmark(
                 raw[spec.name] = {"skipped": str(error)}
                 log(f"bench: {spec.name} not measured: {error}")
                 continue
-            options = _vllm_backend_options(prepared, kv_cache_gib, vllm_block_size, vllm_eager)
+            spec_block_size = spec.block_size if spec.block_size is not None else vllm_block_size
+            options = _vllm_backend_options(prepared, kv_cache_gib, spec_block_size, vllm_eager)
         raw[spec.name] = run_worker_system(
             spec,
             model_path,
@@ -141,7 +164,15 @@ def run_benchmark(
             problem = raw[spec.name].get("error") or raw[spec.name].get("skipped")
             if problem:
                 log(f"bench: {spec.name} not measured: {problem}")
-    records = build_records(specs, raw, prepared, eos_token_ids(model_path, operator.tokenizer))
+    records = build_records(
+        specs,
+        raw,
+        prepared,
+        eos_token_ids(model_path, operator.tokenizer),
+        shape=shape,
+        rates=rates,
+    )
+    _warn_thread_mismatch(raw, rates, log)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     chart = out_dir / f"{name}.png"
@@ -159,15 +190,16 @@ def run_benchmark(
         "kv_cache_gib": kv_cache_gib,
         "vllm_eager": vllm_eager,
         "baseline": BASELINE,
-        "machine": machine_info(),
+        "machine": {**machine_info(), "matmul_rate": rates},
+        "model_shape": shape._asdict() if shape is not None else None,
         "vllm": {
-            key: next((raw[s.name].get(key) for s in vllm_specs if key in raw[s.name]), None)
-            for key in ("vllm_version", "kv_cache_tokens", "block_size", "load_seconds")
+            **{
+                key: next((raw[s.name].get(key) for s in vllm_specs if key in raw[s.name]), None)
+                for key in ("vllm_version", "kv_cache_tokens", "block_size", "load_seconds")
+            },
+            "engines": {s.name: _engine_summary(raw[s.name]) for s in vllm_specs},
         },
-        "systems": [
-            {"name": s.name, "kind": s.kind, "description": s.description, "options": s.options}
-            for s in specs
-        ],
+        "systems": [_system_entry(s) for s in specs],
         "workloads": [
             {
                 "name": w["name"],
@@ -187,9 +219,42 @@ def run_benchmark(
         log("bench: no chart (matplotlib missing: pip install 'llm-operator[bench]')")
     report["seconds"] = time.perf_counter() - started
     (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
-    (out_dir / f"{name}.md").write_text(markdown_table(records, prepared))
+    (out_dir / f"{name}.md").write_text(
+        markdown_table(records, prepared, machine=report["machine"], title=title)
+    )
     log(f"bench: wrote {out_dir / (name + '.json')} in {report['seconds']:.0f} s")
     return report
+
+
+def _system_entry(spec: SystemSpec) -> dict[str, Any]:
+    return {
+        "name": spec.name,
+        "kind": spec.kind,
+        "description": spec.description,
+        "options": spec.options,
+        "dtype": spec.dtype,
+        "block_size": spec.block_size,
+    }
+
+
+def _engine_summary(result: dict[str, Any]) -> dict[str, Any]:
+    """What one plain vLLM system's engine ran with (or why it did not run)."""
+    keys = ("dtype", "block_size", "kv_cache_tokens", "load_seconds", "torch_threads")
+    keys += ("in_process_engine", "engine_core_client", "error", "skipped")
+    return {key: result[key] for key in keys if key in result}
+
+
+def _warn_thread_mismatch(raw: dict[str, dict], rates: dict[str, Any] | None, log: Log) -> None:
+    """Say when a system ran on another torch thread count than the rate was measured with."""
+    if not rates:
+        return
+    for system, result in raw.items():
+        threads = result.get("torch_threads")
+        if threads is not None and threads != rates["threads"]:
+            log(
+                f"bench: {system} ran on {threads} torch threads, the matmul rate was measured "
+                f"on {rates['threads']}: its % rate compares unlike figures"
+            )
 
 
 def _vllm_backend_options(

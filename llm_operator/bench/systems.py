@@ -10,11 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+DTYPES = ("float32", "bfloat16", "float16")
+
 
 @dataclass(frozen=True)
 class SystemSpec:
     """One system: kind "static" (HF generate, fixed batches), "operator" (LLMOperator)
-    or "vllm" (vLLM's offline engine); ``shuffled`` submits the rows in a seeded random order."""
+    or "vllm" (vLLM's offline engine); ``shuffled`` submits the rows in a seeded random order.
+
+    ``dtype`` (None: float32 for vLLM, the library's "auto" otherwise) and ``block_size``
+    (vLLM's KV block in tokens, vLLM systems only; None: ``--vllm-block-size``, else vLLM's
+    own) let systems that differ only there run side by side in one benchmark.
+    """
 
     name: str
     kind: str
@@ -22,6 +29,19 @@ class SystemSpec:
     options: dict[str, Any] = field(default_factory=dict)
     shuffled: bool = False
     python: str = "self"  # "vllm": the worker runs in the vLLM venv (backend="vllm")
+    dtype: str | None = None
+    block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"system {self.name!r}: dtype={self.dtype!r}; use one of {DTYPES}")
+        if self.block_size is not None:
+            if self.kind != "vllm" and self.python != "vllm":
+                raise ValueError(f"system {self.name!r}: block_size is for vLLM systems only")
+            if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
+                raise TypeError(f"system {self.name!r}: block_size must be an int")
+            if self.block_size < 1:
+                raise ValueError(f"system {self.name!r}: block_size={self.block_size} < 1")
 
 
 SYSTEMS: dict[str, SystemSpec] = {
@@ -83,6 +103,13 @@ SYSTEMS: dict[str, SystemSpec] = {
             {"backend": "native", "token_batching": False, "max_batch_size": 16},
         ),
         SystemSpec(
+            "native-bf16",
+            "operator",
+            "native with bfloat16 weights, activations and KV cache",
+            {"backend": "native"},
+            dtype="bfloat16",
+        ),
+        SystemSpec(
             "vllm-plan",
             "operator",
             "llm-operator, vllm backend: the plan fed to vLLM group by group, in waves the "
@@ -108,6 +135,28 @@ SYSTEMS: dict[str, SystemSpec] = {
             "vllm",
             "vLLM offline, prefix caching off, rows in input order",
             {"prefix_caching": False},
+        ),
+        SystemSpec(
+            "vllm-bf16",
+            "vllm",
+            "vllm in bfloat16",
+            {"prefix_caching": True},
+            dtype="bfloat16",
+        ),
+        SystemSpec(
+            "vllm-b32",
+            "vllm",
+            "vllm with 32-token KV blocks (finer prefix reuse)",
+            {"prefix_caching": True},
+            block_size=32,
+        ),
+        SystemSpec(
+            "vllm-b32-bf16",
+            "vllm",
+            "vllm with 32-token KV blocks, in bfloat16",
+            {"prefix_caching": True},
+            dtype="bfloat16",
+            block_size=32,
         ),
     )
 }

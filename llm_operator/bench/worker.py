@@ -9,12 +9,14 @@ JOB (JSON)::
      "options": {...},            # LLMOperator keywords (operator) or {"batch_size": 16} (static)
      "repeat": 1, "warmup": true,
      "workloads": [{"name": ..., "prompts": [...], "token_ids": [[...]], "max_tokens": [...],
-                    "order": [row indices in submission order]}]}
+                    "ignore_eos": false, "order": [row indices in submission order]}]}
 
-RESULT (JSON): ``{"load_seconds", "device", "runs": [{"workload", "seconds": [per repeat],
-"token_ids" (input order, first repeat), "prompt_tokens", "prefill_tokens_computed",
-"output_tokens", "peak_rss_bytes", "peak_device_bytes"}]}``, or ``{"error", "traceback"}``
-with exit status 1.
+RESULT (JSON): ``{"load_seconds", "device", "dtype" (the weights', e.g. "float32"),
+"torch_threads", "runs": [{"workload", "seconds": [per repeat], "token_ids" (input order,
+first repeat), "prompt_tokens", "prefill_tokens_computed", "output_tokens",
+"peak_rss_bytes", "peak_device_bytes", "decode_profile" (native backend only, when it
+lists its steps: ``bench.decode_steps``)}]}``, or ``{"error", "traceback"}`` with exit
+status 1.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+from llm_operator.bench.decode_steps import backend_decode_profile
 
 
 def reset_peak_rss() -> None:
@@ -83,6 +87,27 @@ def _in_order(order: list[int], outputs: list[Any]) -> list[Any]:
     return result
 
 
+def _dtype_name(dtype: Any) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def backend_dtype(backend: Any) -> str | None:
+    """The dtype a backend computes in ("float32", "bfloat16", ...), or None if unknown."""
+    llm = getattr(backend, "llm", None)
+    if llm is not None:  # backend="vllm": what the engine resolved, not the requested "auto"
+        try:
+            return _dtype_name(llm.llm_engine.vllm_config.model_config.dtype)
+        except AttributeError:
+            pass
+    model = getattr(backend, "model", None)
+    parameters = getattr(model, "parameters", None)
+    if callable(parameters):
+        first = next(iter(parameters()), None)
+        if first is not None:
+            return _dtype_name(first.dtype)
+    return _dtype_name(getattr(backend, "dtype", None))
+
+
 class OperatorSystem:
     """Our LLMOperator (any backend and ablation), fed the original prompts."""
 
@@ -98,6 +123,7 @@ class OperatorSystem:
                 backend.engine(int(row_tokens))  # vLLM starts here, not in a timed run
         self.load_seconds = timer.seconds
         self.device = getattr(backend, "device", None)
+        self.dtype = backend_dtype(backend)
 
     def run(self, workload: dict[str, Any]) -> dict[str, Any]:
         from llm_operator import SamplingParams
@@ -107,17 +133,25 @@ class OperatorSystem:
             llm.reset_prefix_cache()
         order = workload["order"]
         prompts = [workload["prompts"][row] for row in order]
-        sampling = [SamplingParams(max_tokens=workload["max_tokens"][row]) for row in order]
+        ignore_eos = bool(workload.get("ignore_eos", False))
+        sampling = [
+            SamplingParams(max_tokens=workload["max_tokens"][row], ignore_eos=ignore_eos)
+            for row in order
+        ]
         results = self.operator.generate(prompts, sampling)
         failed = [r.error for r in results if r.finish_reason == "error"]
         if failed:
             raise RuntimeError(f"{len(failed)} rows failed, first: {failed[0]}")
         stats = self.operator.last_stats
-        return {
+        outcome = {
             "token_ids": _in_order(order, [list(r.token_ids) for r in results]),
             "prefill_tokens_computed": stats.prefill_tokens_computed,
             "output_tokens": stats.output_tokens,
         }
+        decode = backend_decode_profile(self.operator.backend())
+        if decode is not None:
+            outcome["decode_profile"] = decode
+        return outcome
 
 
 class StaticSystem:
@@ -138,6 +172,7 @@ class StaticSystem:
         path = resolve_model(model).path
         self.device = resolve_device(options.get("device", "auto"))
         dtype = resolve_dtype(options.get("dtype", "auto"), self.device)
+        self.dtype = _dtype_name(dtype)
         self.batch_size = int(options.get("batch_size", 16))
         self.tokenizer = load_tokenizer(path)
         with _Timer() as timer:
@@ -154,6 +189,7 @@ class StaticSystem:
             [workload["token_ids"][row] for row in order],
             max_tokens=[workload["max_tokens"][row] for row in order],
             batch_size=self.batch_size,
+            ignore_eos=bool(workload.get("ignore_eos", False)),
         )
         return {
             "token_ids": _in_order(order, static.token_ids),
@@ -209,7 +245,15 @@ def run_job(job: dict[str, Any], log=lambda message: None) -> dict[str, Any]:
                 **first_run,
             }
         )
-    return {"load_seconds": system.load_seconds, "device": str(device), "runs": runs}
+    import torch
+
+    return {
+        "load_seconds": system.load_seconds,
+        "device": str(device),
+        "dtype": system.dtype,
+        "torch_threads": torch.get_num_threads(),
+        "runs": runs,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,8 @@
     table-rows   a product/review table rendered field by field (Liu et al. 2024); the field
                  order decides how much is shared ("shared-first" or the "schema" order)
     no-sharing   plain-string prompts that share no leading tokens (a control)
+    long-answers doc-qa's shape with long documents and long answers: decode-heavy, EOS
+                 ignored (``Workload.ignore_eos``) so every system decodes the same lengths
 
 ``make_workload(name, tokenizer, size=..., seed=..., **overrides)`` is a pure function of its
 arguments: the tokenizer only measures text lengths, so "N tokens" means tokens of that model
@@ -25,6 +27,7 @@ from llm_operator.bench import text
 from llm_operator.bench.text import CountTokens
 
 __all__ = [
+    "IGNORE_EOS_WORKLOADS",
     "PRESETS",
     "SIZES",
     "WORKLOAD_NAMES",
@@ -58,8 +61,15 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "quick": dict(rows=8, prompt_tokens=(150, 250), max_tokens=(8, 24)),
         "default": dict(rows=32, prompt_tokens=(200, 400), max_tokens=(16, 100)),
     },
+    "long-answers": {  # rows finish at different lengths, so decode batches shrink over the run
+        "tiny": dict(documents=2, questions_per_document=3, system_tokens=12, document_tokens=(30, 40), question_tokens=(10, 14), max_tokens=(16, 24)),
+        "quick": dict(documents=2, questions_per_document=3, system_tokens=60, document_tokens=(300, 400), question_tokens=(20, 40), max_tokens=(48, 64)),
+        "default": dict(documents=2, questions_per_document=8, system_tokens=80, document_tokens=(1200, 1800), question_tokens=(20, 40), max_tokens=(192, 320)),
+    },
 }  # fmt: skip
-WORKLOAD_NAMES = ("etl-fewshot", "doc-qa", "table-rows", "no-sharing")
+WORKLOAD_NAMES = ("etl-fewshot", "doc-qa", "table-rows", "no-sharing", "long-answers")
+IGNORE_EOS_WORKLOADS = frozenset({"long-answers"})
+"""Workloads whose rows decode exactly their max_tokens (every system runs with ignore_eos)."""
 SIZES = ("tiny", "quick", "default")
 _CHOICES = {"field_order": ("shared-first", "schema")}
 
@@ -75,6 +85,8 @@ class Workload:
     params: dict
     """JSON-ready: every size parameter (ranges as [lo, hi]), ``size`` and ``seed``."""
     description: str
+    ignore_eos: bool = False
+    """Rows keep decoding past EOS up to their max_tokens (fixed decode lengths)."""
 
 
 def make_workload(
@@ -98,7 +110,10 @@ def make_workload(
     rng = random.Random(f"{name}/{seed}")
     prompts, max_tokens, description = _BUILDERS[name](rng, _Tokens(tokenizer), params)
     record = {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}
-    return Workload(name, prompts, max_tokens, {**record, "size": size, "seed": seed}, description)
+    record.update(size=size, seed=seed)
+    return Workload(
+        name, prompts, max_tokens, record, description, ignore_eos=name in IGNORE_EOS_WORKLOADS
+    )
 
 
 def _resolve(name: str, preset: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -350,7 +365,13 @@ _DOC_RULES = (
 )
 
 
-def _doc_qa(rng: random.Random, count: _Tokens, p: dict[str, Any]) -> tuple[list, list[int], str]:
+def _doc_qa(
+    rng: random.Random,
+    count: _Tokens,
+    p: dict[str, Any],
+    tails: Sequence[str] = _QUESTION_TAILS,
+) -> tuple[list, list[int], str]:
+    """Documents under one system prompt, each asked questions lengthened by ``tails``."""
     head = "You answer questions about company documents."
     system, used = _append_while_under(head, _DOC_RULES, p["system_tokens"], count)
     if used < p["system_tokens"]:
@@ -375,7 +396,7 @@ def _doc_qa(rng: random.Random, count: _Tokens, p: dict[str, Any]) -> tuple[list
             for _attempt in range(20):  # distinct questions while the templates allow
                 question, _ = text.fill_template(rng, rng.choice(questions), fixed)
                 target = _draw(rng, p["question_tokens"])
-                for tail in rng.sample(_QUESTION_TAILS, len(_QUESTION_TAILS)):
+                for tail in rng.sample(tails, len(tails)):
                     if count([question])[0] >= target:
                         break
                     question += " " + tail
@@ -387,6 +408,30 @@ def _doc_qa(rng: random.Random, count: _Tokens, p: dict[str, Any]) -> tuple[list
     description = (
         f"{p['documents']} documents (~{p['document_tokens'][0]}-{p['document_tokens'][1]} tokens) x "
         f"{p['questions_per_document']} questions under one shared system prompt: two sharing levels"
+    )
+    return prompts, max_tokens, description
+
+
+# -- long-answers -------------------------------------------------------------------------
+_LONG_ANSWER_TAILS = (
+    "Explain your answer in detail.",
+    "Walk through every paragraph that is relevant, one by one.",
+    "Then summarise the whole document in a few paragraphs.",
+    "List every related fact, number and date the document gives.",
+    "Describe what the document says before and after that point.",
+    "Finish with the open questions the document leaves.",
+)
+
+
+def _long_answers(
+    rng: random.Random, count: _Tokens, p: dict[str, Any]
+) -> tuple[list, list[int], str]:
+    """doc-qa's prompts with questions that ask for long answers (decoded with EOS ignored)."""
+    prompts, max_tokens, _ = _doc_qa(rng, count, p, tails=_LONG_ANSWER_TAILS)
+    description = (
+        f"{p['documents']} long documents (~{p['document_tokens'][0]}-{p['document_tokens'][1]} "
+        f"tokens) x {p['questions_per_document']} questions asking for long answers of "
+        f"{p['max_tokens'][0]}-{p['max_tokens'][1]} tokens, EOS ignored (decode-heavy)"
     )
     return prompts, max_tokens, description
 
@@ -523,4 +568,5 @@ _BUILDERS: dict[
     "doc-qa": _doc_qa,
     "table-rows": _table_rows,
     "no-sharing": _no_sharing,
+    "long-answers": _long_answers,
 }

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from llm_operator.models.gemm import linear
 from llm_operator.models.rope import (
     RotaryEmbedding,
     apply_rotary,
@@ -133,32 +134,8 @@ def _sliding_window(hf_config: Any, model_type: str) -> int | None:
     )
 
 
-def _onednn_linear_available() -> bool:
-    try:
-        x = torch.ones(2, 3)
-        torch.ops.mkldnn._linear_pointwise(x, torch.ones(4, 3), None, "none", [], "")
-    except (AttributeError, RuntimeError):
-        return False
-    return True
-
-
-_ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and _onednn_linear_available()
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear``, on oneDNN for 2-D CPU fp32/bf16 inputs: measured here 1.2-1.6x the
-    default GEMM on prefill-sized inputs and ~2x on decode-sized ones. Same math; the
-    rounding differs at the 1e-6 relative level."""
-    if _ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES and x.dim() == 2:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return nn.functional.linear(x, weight, bias)
-
-
-_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
-
-
 class Linear(nn.Linear):
-    """``nn.Linear`` through ``linear`` (oneDNN on the CPU)."""
+    """``nn.Linear`` through ``gemm.linear`` (the CPU GEMM measured fastest per shape)."""
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -21,6 +22,7 @@ from llm_operator.engine.base import BackendResult, ProgressCallback, RequestOut
 from llm_operator.engine.native.block_manager import BlockManager
 from llm_operator.engine.native.scheduler import ScheduledChunk, Scheduler
 from llm_operator.engine.stopping import RowDecoder
+from llm_operator.models.gemm import DEFAULT_GEMM
 from llm_operator.models.llama import LlamaModel
 from llm_operator.planner import Plan
 from llm_operator.sampling import SamplingParams, sample_next_tokens
@@ -62,7 +64,12 @@ class NativeBackend:
         self.decode_reserve = decode_reserve
         self.share_prefixes = share_prefixes
         self.token_batching = token_batching
-        self.last_profile: dict[str, float] = {}
+        self.last_profile: dict[str, Any] = {}
+        if self.device.type == "cpu":  # time the CPU GEMMs of every linear shape once, now
+            DEFAULT_GEMM.tune(
+                [p for name, p in model.named_parameters() if name.endswith("proj.weight")],
+                max_rows=max_batched_tokens,
+            )
 
     # -- memory ------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -116,7 +123,9 @@ class NativeBackend:
         ]
         outputs: list[RequestOutput | None] = [None] * len(plan.requests)
         reported = 0
-        self.last_profile = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "iterations": 0}
+        self.last_profile = {
+            "schedule": 0.0, "forward": 0.0, "sample": 0.0, "iterations": 0, "steps": []
+        }  # fmt: skip
         try:
             while not scheduler.done:
                 self._step(scheduler, plan, params, generators, decoders, outputs, progress)
@@ -141,7 +150,7 @@ class NativeBackend:
         )
 
     def _step(self, scheduler, plan, params, generators, decoders, outputs, progress) -> None:
-        started = time.perf_counter()
+        started = step_started = time.perf_counter()
         chunks = scheduler.schedule()
         batch = self._batch(chunks, scheduler)
         profile = self.last_profile
@@ -174,6 +183,10 @@ class NativeBackend:
                         progress(0, 1)
         profile["sample"] += time.perf_counter() - started
         profile["iterations"] += 1
+        # (tokens, rows sampled, seconds) of this iteration: decode-only when they are equal
+        profile["steps"].append(
+            (int(batch["input_ids"].shape[0]), len(sampled), time.perf_counter() - step_started)
+        )
 
     # -- one iteration's tensors -------------------------------------------------------
     def _batch(self, chunks: list[ScheduledChunk], scheduler: Scheduler) -> dict:

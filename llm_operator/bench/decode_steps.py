@@ -1,0 +1,61 @@
+"""Per-iteration decode figures of the native engine, from ``NativeBackend.last_profile``.
+
+The native backend may list each iteration of its last run in ``last_profile["steps"]`` as
+``(tokens, rows_sampled, seconds)``. An iteration in which every scheduled token was a
+sampled row's single next token (tokens == rows_sampled) is a pure decode step of batch
+size ``rows_sampled``; its time against that batch size shows what one more row costs.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from typing import Any
+
+
+def summarize_decode_steps(steps: Iterable[Any]) -> dict[str, Any] | None:
+    """Median seconds per decode-only iteration, by batch size; None without such steps.
+
+    Returns ``{"iterations", "decode_iterations", "decode_seconds", "by_batch": [{"rows",
+    "iterations", "median_ms"}, ...]}`` (ascending rows). Entries that are not
+    ``(tokens, rows_sampled, seconds)`` with tokens >= 1 are skipped, so a profile of
+    another shape yields None rather than an error.
+    """
+    iterations = 0
+    by_rows: dict[int, list[float]] = {}
+    for step in steps:
+        iterations += 1
+        try:
+            tokens, rows, seconds = step
+            tokens, rows, seconds = int(tokens), int(rows), float(seconds)
+        except (TypeError, ValueError):
+            continue
+        if tokens >= 1 and tokens == rows and seconds >= 0:
+            by_rows.setdefault(rows, []).append(seconds)
+    if not by_rows:
+        return None
+    return {
+        "iterations": iterations,
+        "decode_iterations": sum(len(times) for times in by_rows.values()),
+        "decode_seconds": sum(sum(times) for times in by_rows.values()),
+        "by_batch": [
+            {
+                "rows": rows,
+                "iterations": len(by_rows[rows]),
+                "median_ms": statistics.median(by_rows[rows]) * 1e3,
+            }
+            for rows in sorted(by_rows)
+        ],
+    }
+
+
+def backend_decode_profile(backend: Any) -> dict[str, Any] | None:
+    """``summarize_decode_steps`` of a native backend's last run; None for other backends
+    or when its profile has no ``steps``."""
+    if getattr(backend, "name", None) != "native":
+        return None
+    profile = getattr(backend, "last_profile", None)
+    steps = profile.get("steps") if isinstance(profile, dict) else None
+    if not isinstance(steps, (list, tuple)):
+        return None
+    return summarize_decode_steps(steps)

@@ -1,0 +1,350 @@
+"""The Triton kernels' self-check (llm_operator.kernels.self_check) and the dispatch's
+fallback to the torch reference when it fails (llm_operator.kernels.ensure_checked).
+
+The real kernels run on CPU tensors in the Triton interpreter (conftest sets
+TRITON_INTERPRET=1), 0.3-0.8 s per check here. Broken kernels are simulated by replacing one
+operation of ``triton_attention`` (the others replaced by the reference, so those tests
+stay fast); a failing device is simulated by letting CPU tensors default to Triton, as
+CUDA tensors do.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+from test_kernels_reference import LSE_TOLERANCE, OUT_TOLERANCE  # noqa: E402
+
+import llm_operator.kernels as kernels  # noqa: E402
+from llm_operator.kernels import reference, self_check  # noqa: E402
+from llm_operator.kernels import triton_attention as tri  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def test_tolerances_are_the_triton_tests_tolerances():
+    assert self_check.OUT_TOLERANCE == OUT_TOLERANCE
+    assert self_check.LSE_TOLERANCE == LSE_TOLERANCE
+
+
+# ---------------------------------------------------------------- the real kernels
+
+
+def test_real_kernels_pass_in_the_interpreter_on_both_ends_of_the_tile_sizes(monkeypatch):
+    """SmolLM2's heads (9 on 3 KV heads, head_dim 64) in bf16: the launches span the
+    smallest tile (16 packed rows: a decode step) and the largest (128: a prefill)."""
+    launches = []
+    original = tri._plan
+
+    def record(batch, *args):
+        plan = original(batch, *args)
+        launches.append((type(batch).__name__, plan.config[0]))
+        return plan
+
+    monkeypatch.setattr(tri, "_plan", record)
+    assert (
+        self_check.check_triton(CPU, torch.bfloat16, num_heads=9, num_kv_heads=3, head_dim=64)
+        is None
+    )
+    # Level 1: 9 rows x 3 heads; level 2: 42 prefill rows x 3; own; own decode: 1 row x 3.
+    assert launches == [
+        ("PrefixBatch", 32),
+        ("PrefixBatch", 128),
+        ("OwnBatch", 128),
+        ("OwnBatch", 16),
+    ]
+
+
+def test_real_kernels_pass_with_key_splits(monkeypatch):
+    """As on a GPU, where decode rows on the long level-1 segment leave most SMs idle."""
+    monkeypatch.setattr(tri, "_target_programs", lambda device: 64)
+    plans = []
+    original = tri._prefix_plan
+
+    def record(*args):
+        plans.append(original(*args))
+        return plans[-1]
+
+    monkeypatch.setattr(tri, "_prefix_plan", record)
+    assert self_check.check_triton(CPU, torch.float16) is None
+    assert [plan.num_splits for plan in plans] == [2, 1]  # level 1 split, level 2 not
+
+
+def test_interpreter_missing_is_a_reason_not_an_error():
+    """Compiled Triton on CPU tensors (no TRITON_INTERPRET): the launcher's refusal."""
+    script = (
+        "import torch\n"
+        "from llm_operator.kernels.self_check import check_triton\n"
+        "print(check_triton('cpu', torch.float32))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    line = result.stdout.strip().splitlines()[-1]
+    assert line.startswith("store_kv raised RuntimeError: the Triton kernels got CPU tensors")
+
+
+# ---------------------------------------------------------------- broken kernels
+
+
+@pytest.fixture
+def reference_kernels(monkeypatch):
+    """triton_attention's four operations replaced by the reference (tests break one)."""
+    for name in ("store_kv", "own_attention", "prefix_attention", "merge_attention_states"):
+        monkeypatch.setattr(tri, name, getattr(reference, name))
+    return monkeypatch
+
+
+def test_reference_as_kernels_passes(reference_kernels):
+    assert self_check.check_triton(CPU, torch.float32) is None
+    assert self_check.check_triton(CPU, torch.float16, num_heads=8, num_kv_heads=1) is None
+
+
+def test_prefix_attention_returning_zeros_is_named(reference_kernels):
+    def zeros(q, k_cache, v_cache, batch, scale):
+        rows, heads = q.shape[:2]
+        return reference.AttentionOutput(torch.zeros_like(q), torch.zeros(rows, heads))
+
+    reference_kernels.setattr(tri, "prefix_attention", zeros)
+    reason = self_check.check_triton(CPU, torch.float32)
+    assert reason is not None and reason.startswith("prefix_attention (level 1): out max error")
+    assert "\n" not in reason
+
+
+def test_small_lse_error_is_caught_and_measured(reference_kernels):
+    """1e-4 off in lse (5x the tolerance) on the second level only."""
+
+    def shifted(q, k_cache, v_cache, batch, scale):
+        out, lse = reference.prefix_attention(q, k_cache, v_cache, batch, scale)
+        return reference.AttentionOutput(out, lse + (1e-4 if len(batch.host_lengths) == 2 else 0))
+
+    reference_kernels.setattr(tri, "prefix_attention", shifted)
+    reason = self_check.check_triton(CPU, torch.float32)
+    assert reason is not None and reason.startswith("prefix_attention (level 2): lse max error")
+    match = re.search(r"max error (\S+) .* at (\d+) of (\d+) values", reason)
+    assert match, reason
+    assert float(match[1]) == pytest.approx(1e-4, rel=1e-3)
+    # fp32, head_dim 32: 64-row tiles, so the prefill has 64 / 2 = 32 rows, 41 in all. Level
+    # 2 is read by request 0's row and the prefill's: their 4 heads are off, -inf stays.
+    assert (int(match[2]), int(match[3])) == ((1 + 32) * 4, 41 * 4)
+
+
+def test_nan_from_own_attention_is_named(reference_kernels):
+    def nan_row(q, k_cache, v_cache, batch, scale):
+        out, lse = reference.own_attention(q, k_cache, v_cache, batch, scale)
+        out[5, 1, 3] = float("nan")
+        return reference.AttentionOutput(out, lse)
+
+    reference_kernels.setattr(tri, "own_attention", nan_row)
+    reason = self_check.check_triton(CPU, torch.float16)
+    # fp16, head_dim 32: 128-row tiles, a 64-row prefill; out is 73 rows x 4 heads x 32.
+    assert reason == (
+        "own_attention: out max error nan (atol 0.002, rtol 0.002) at 1 of 9344 values"
+    )
+
+
+def test_merge_error_is_blamed_on_merge(reference_kernels):
+    def off(parts):
+        out, lse = reference.merge_attention_states(parts)
+        return reference.AttentionOutput(out + 0.5, lse)
+
+    reference_kernels.setattr(tri, "merge_attention_states", off)
+    reason = self_check.check_triton(CPU, torch.bfloat16)
+    assert reason is not None and reason.startswith("merge_attention_states: out max error 0.5")
+    assert float(re.search(r"max error (\S+)", reason)[1]) == pytest.approx(0.5, abs=0.01)
+
+
+def test_store_kv_writing_nothing_is_named(reference_kernels):
+    reference_kernels.setattr(tri, "store_kv", lambda *args: None)
+    reason = self_check.check_triton(CPU, torch.float32)
+    # Requests 0 and 1's 9 new tokens x 2 KV heads x head_dim 32 stay NaN, in a cache of
+    # 41 used blocks (33 + 1 + 2 segment blocks, 1 + 2 + 2 own) + 2 spare, of 16 slots.
+    assert reason == "store_kv: k_cache differs from the reference's at 576 of 44032 values"
+
+
+def test_exceptions_become_one_line_reasons(reference_kernels):
+    def compile_error(*args):
+        raise RuntimeError("at 12:4:\n    acc = tl.dot(p, v)\n    ^\nincompatible types")
+
+    reference_kernels.setattr(tri, "own_attention", compile_error)
+    reason = self_check.check_triton(CPU, torch.float32)
+    assert reason == (
+        "own_attention raised RuntimeError: at 12:4: acc = tl.dot(p, v) ^ incompatible types"
+    )
+
+
+def test_missing_triton_is_a_reason(monkeypatch):
+    """triton not installed: importing the kernels fails inside the check."""
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises
+    monkeypatch.delitem(sys.modules, "llm_operator.kernels.triton_attention")
+    monkeypatch.delattr(kernels, "triton_attention")
+    reason = self_check.check_triton(CPU, torch.float32)
+    assert reason == (
+        "import triton_attention raised ModuleNotFoundError: import of triton halted; "
+        "None in sys.modules"
+    )
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="dtype"):
+        self_check.check_triton(CPU, torch.int32)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        self_check.check_triton(CPU, torch.float32, num_heads=6, num_kv_heads=4)
+
+
+# ---------------------------------------------------------------- dispatch fallback
+
+FAILURE = "prefix_attention (level 1): out max error 0.7 (atol 1e-05, rtol 1e-05) at 9 of 9"
+
+
+class RecordingCheck:
+    """Stands in for check_triton: records its calls and returns ``reason``."""
+
+    def __init__(self, reason: str | None) -> None:
+        self.reason = reason
+        self.calls: list[tuple] = []
+
+    def __call__(self, device, dtype, **heads) -> str | None:
+        self.calls.append((device, dtype, heads))
+        return self.reason
+
+
+@pytest.fixture
+def cpu_like_cuda(monkeypatch):
+    """An empty check registry in which CPU (and meta) tensors default to Triton as CUDA
+    tensors do, and no LLM_OPERATOR_KERNELS."""
+    monkeypatch.delenv(kernels.IMPLEMENTATION_ENV, raising=False)
+    monkeypatch.setattr(kernels, "_TRITON_DEVICE_TYPES", ("cuda", "cpu", "meta"))
+    monkeypatch.setattr(kernels, "_check_results", {})
+    monkeypatch.setattr(kernels, "_fallback_devices", set())
+    return monkeypatch
+
+
+@pytest.fixture
+def registry(cpu_like_cuda) -> RecordingCheck:
+    """cpu_like_cuda with check_triton replaced by a RecordingCheck returning FAILURE."""
+    fake = RecordingCheck(FAILURE)
+    cpu_like_cuda.setattr(self_check, "check_triton", fake)
+    return fake
+
+
+def test_failed_check_sends_the_device_to_torch_and_warns_once(registry, monkeypatch):
+    case = self_check._Case(CPU, torch.float32, 4, 2, 32, prefill_rows=4)
+    args = (case.q, *case.device_caches(), case.prefix_batches[0], case.scale)
+    assert kernels.implementation(case.q) == "triton"
+
+    with pytest.warns(RuntimeWarning) as record:
+        assert kernels.ensure_checked("cpu", torch.float32) == FAILURE
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "failed their self-check on cpu (float32)" in message
+    assert FAILURE in message and "uses the torch reference" in message
+    assert registry.calls == [
+        (CPU, torch.float32, {"num_heads": 4, "num_kv_heads": 2, "head_dim": 32})
+    ]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any further warning fails the test
+        for _ in range(3):
+            assert kernels.ensure_checked(CPU, torch.float32) == FAILURE
+        assert kernels.implementation(case.q) == "torch"
+        assert kernels.implementation(case.q.half()) == "torch"  # every dtype on the device
+        assert kernels.implementation(torch.empty(1, device="meta")) == "triton"  # not others
+
+        def must_not_run(*call_args):
+            raise AssertionError("the Triton kernel ran after a failed self-check")
+
+        monkeypatch.setattr(tri, "prefix_attention", must_not_run)
+        routed = kernels.prefix_attention(*args)
+    assert len(registry.calls) == 1  # checked once
+    expected = reference.prefix_attention(*args)
+    torch.testing.assert_close(routed, expected, atol=0, rtol=0)
+
+
+def test_passing_check_keeps_triton_and_runs_once_per_dtype_and_shape(registry):
+    registry.reason = None
+    tensor = torch.zeros(2, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernels.ensure_checked(CPU, torch.float32) is None
+        assert kernels.ensure_checked(CPU, torch.float32) is None
+        assert kernels.ensure_checked(CPU, torch.bfloat16, num_heads=9, num_kv_heads=3) is None
+    assert kernels.implementation(tensor) == "triton"
+    assert [(dtype, heads["num_heads"]) for _, dtype, heads in registry.calls] == [
+        (torch.float32, 4),
+        (torch.bfloat16, 9),
+    ]
+
+
+def test_explicit_environment_skips_the_check_and_overrides_the_fallback(registry, monkeypatch):
+    tensor = torch.zeros(2, 3)
+    for forced in ("triton", "torch"):
+        monkeypatch.setenv(kernels.IMPLEMENTATION_ENV, forced)
+        assert kernels.ensure_checked(CPU, torch.float32) is None
+        assert kernels.implementation(tensor) == forced
+    assert registry.calls == []  # neither ran the check
+
+    monkeypatch.delenv(kernels.IMPLEMENTATION_ENV)
+    with pytest.warns(RuntimeWarning, match="self-check"):
+        kernels.ensure_checked(CPU, torch.float32)
+    assert kernels.implementation(tensor) == "torch"
+    monkeypatch.setenv(kernels.IMPLEMENTATION_ENV, "triton")
+    assert kernels.implementation(tensor) == "triton"  # explicit still forces the kernels
+    monkeypatch.setenv(kernels.IMPLEMENTATION_ENV, "gpu")
+    with pytest.raises(ValueError, match=kernels.IMPLEMENTATION_ENV):
+        kernels.ensure_checked(CPU, torch.float32)
+
+
+def test_devices_on_the_torch_path_are_not_checked(registry, monkeypatch):
+    monkeypatch.setattr(kernels, "_TRITON_DEVICE_TYPES", ("cuda",))  # the real default
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernels.ensure_checked(CPU, torch.float32) is None
+    assert registry.calls == [] and kernels._fallback_devices == set()
+    assert kernels.implementation(torch.zeros(1)) == "torch"
+
+
+def test_real_check_through_the_registry(cpu_like_cuda):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernels.ensure_checked(CPU, torch.float32) is None
+    assert kernels._check_results == {("cpu", None, torch.float32, 4, 2, 32): None}
+    assert kernels.implementation(torch.zeros(1)) == "triton"
+
+
+# ---------------------------------------------------------------- engine start
+
+
+def test_native_engine_checks_with_the_model_heads_and_falls_back(
+    registry, monkeypatch, tiny_qwen3_dir
+):
+    """LLMOperator checks at engine start with the model's heads (qwen3: head_dim 32, not
+    hidden / heads = 16); after the failure no Triton kernel runs and every row completes."""
+    from llm_operator import LLMOperator, SamplingParams
+
+    def must_not_run(*args):
+        raise AssertionError("a Triton kernel ran after a failed self-check")
+
+    for name in ("store_kv", "own_attention", "prefix_attention", "merge_attention_states"):
+        monkeypatch.setattr(tri, name, must_not_run)
+
+    op = LLMOperator(tiny_qwen3_dir, backend="native", device="cpu")
+    prompts = ["Summarize the review in one sentence.", "Summarize the review: great value."]
+    with pytest.warns(RuntimeWarning, match="self-check") as record:
+        results = op.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0))
+    assert len([w for w in record if "self-check" in str(w.message)]) == 1
+    assert registry.calls == [
+        (CPU, torch.float32, {"num_heads": 4, "num_kv_heads": 2, "head_dim": 32})
+    ]
+    assert [r.error for r in results] == [None, None]
+    assert all(r.completion_tokens > 0 for r in results)
