@@ -35,6 +35,7 @@ from llm_operator.kernels.reference import (
     AttentionOutput,
     OwnBatch,
     PrefixBatch,
+    chain_batch,
     own_batch,
     prefix_batch,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "AttentionOutput",
     "OwnBatch",
     "PrefixBatch",
+    "chain_batch",
     "ensure_checked",
     "implementation",
     "merge_attention_states",
@@ -185,8 +187,15 @@ def own_attention(
 def prefix_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, batch: PrefixBatch, scale: float
 ) -> AttentionOutput:
-    """Rows against their shared segments, non-causal (see ``reference.prefix_attention``)."""
-    return _module(q).prefix_attention(q, k_cache, v_cache, batch, scale)
+    """Rows against their shared segments, non-causal (see ``reference.prefix_attention``);
+    a ``chain_batch`` (slot lists) runs on the torch path only."""
+    module = _module(q)
+    if getattr(batch, "slot_tables", None) is not None and module is not reference:
+        raise ValueError(
+            "a chain_batch (segments as slot lists) runs on the torch path only; build one "
+            "prefix_batch per chain level for the Triton kernels"
+        )
+    return module.prefix_attention(q, k_cache, v_cache, batch, scale)
 
 
 def merge_attention_states(parts: Sequence[tuple[Tensor, Tensor]]) -> AttentionOutput:

@@ -45,6 +45,7 @@ __all__ = [
     "AttentionOutput",
     "OwnBatch",
     "PrefixBatch",
+    "chain_batch",
     "check_launch",
     "check_merge_parts",
     "check_scale",
@@ -151,19 +152,29 @@ def check_scale(scale: object) -> float:
 # ---------------------------------------------------------------- core
 
 
-def _gather_slots(cache: Tensor, slots: Tensor, contiguous: bool) -> Tensor:
-    """Rows of one cache at the given slots, KV head first, fp32.
+def _head_rows(group: _Group, num_kv_heads: int) -> Tensor:
+    """[P, kv, S] rows of a cache viewed as [-1, head_dim] holding the group's keys, KV
+    head first (derived once per step and reused by every layer)."""
+    key = ("head_rows", num_kv_heads)
+    if key not in group.derived:
+        head = torch.arange(num_kv_heads, device=group.slots.device)
+        group.derived[key] = group.slots[:, None, :] * num_kv_heads + head[None, :, None]
+    return group.derived[key]
 
-    cache: [num_blocks, block_size, num_kv_heads, head_dim]; slots: [P, S] int64
+
+def _gather_slots(cache: Tensor, group: _Group, contiguous: bool) -> Tensor:
+    """Rows of one cache at the group's slots, KV head first, fp32.
+
+    cache: [num_blocks, block_size, num_kv_heads, head_dim]; group.slots: [P, S] int64
     returns [P, num_kv_heads, S, head_dim] float32: contiguous (one gather of head_dim
     rows, for plain matmuls) or a strided view of one gather of whole slots (for the
     fused kernel, which reads any strides).
     """
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    slots = group.slots
     flat_slots = slots.flatten()  # [P * S]
     if contiguous and cache.is_contiguous():
-        head = torch.arange(num_kv_heads, device=cache.device)
-        row_ids = slots[:, None, :] * num_kv_heads + head[None, :, None]  # [P, kv, S]
+        row_ids = _head_rows(group, num_kv_heads)  # [P, kv, S]
         gathered = cache.view(-1, head_dim).index_select(0, row_ids.flatten())
         return gathered.view(*row_ids.shape, head_dim).float()
     if cache.is_contiguous():
@@ -365,6 +376,9 @@ class PrefixBatch:
     host_rows: tuple[int, ...]
     host_row_start: tuple[int, ...]
     host_lengths: tuple[int, ...]
+    # chain_batch only: [S, max_length] int64 cache slots of each segment's keys in order
+    # (block_tables is then [S, 0]); the torch path reads any slot list, Triton does not.
+    slot_tables: Tensor | None = None
     derived: dict = field(default_factory=dict, repr=False)
 
 
@@ -499,20 +513,12 @@ def prefix_batch(
             f"segment_rows, segment_blocks and lengths must have one entry per segment, got "
             f"{len(row_lists)}, {len(tables)} and {len(sizes)}"
         )
-    seen: set[int] = set()
+    flat, starts = _check_segment_rows(row_lists, num_rows)
     used = []
-    for s, (rows, table, length) in enumerate(zip(row_lists, tables, sizes)):
+    for s, (table, length) in enumerate(zip(tables, sizes)):
         if length < 0:
             raise ValueError(f"lengths[{s}] must be >= 0, got {length}")
-        for row in rows:
-            if not 0 <= row < num_rows:
-                raise ValueError(f"segment_rows[{s}] values must lie in [0, {num_rows}), got {row}")
-            if row in seen:
-                raise ValueError(f"q row {row} is in two segments of one batch (segment {s})")
-            seen.add(row)
         used.append(_check_blocks(f"segment_blocks[{s}]", table, length, block_size, num_blocks))
-    flat = [row for rows in row_lists for row in rows]
-    starts = list(itertools.accumulate((len(rows) for rows in row_lists), initial=0))
     return PrefixBatch(
         rows=torch.tensor(flat, dtype=torch.int64, device=device),
         row_start=torch.tensor(starts, dtype=torch.int32, device=device),
@@ -526,6 +532,74 @@ def prefix_batch(
         host_rows=tuple(flat),
         host_row_start=tuple(starts),
         host_lengths=tuple(sizes),
+    )
+
+
+def _check_segment_rows(row_lists: list[list[int]], num_rows: int) -> tuple[list, list]:
+    """Rows in [0, num_rows), each in at most one segment; (flat rows, cumulative starts)."""
+    seen: set[int] = set()
+    for s, rows in enumerate(row_lists):
+        for row in rows:
+            if not 0 <= row < num_rows:
+                raise ValueError(f"segment_rows[{s}] values must lie in [0, {num_rows}), got {row}")
+            if row in seen:
+                raise ValueError(f"q row {row} is in two segments of one batch (segment {s})")
+            seen.add(row)
+    flat = [row for rows in row_lists for row in rows]
+    return flat, list(itertools.accumulate((len(rows) for rows in row_lists), initial=0))
+
+
+def chain_batch(
+    chain_rows: Sequence[Sequence[int]],
+    chain_segments: Sequence[Sequence[tuple[Sequence[int], int]]],
+    *,
+    num_rows: int,
+    block_size: int,
+    num_blocks: int,
+    device: torch.device | str = "cpu",
+) -> PrefixBatch:
+    """Every level of the segment chains in one batch (torch path only): like
+    ``prefix_batch``, but each entry is a whole chain, its keys the tokens of its
+    segments in order, so a row's shared prefix is one attention part however many
+    levels it has.
+
+    chain_rows:     per chain, the q rows that read it (each row in at most one chain)
+    chain_segments: per chain, its segments outermost first, each (blocks, length)
+    num_rows:       T, rows of the q this batch will be used with
+    """
+    num_rows = _check_count("num_rows", num_rows, 0)
+    block_size = _check_count("block_size", block_size, 1)
+    num_blocks = _check_count("num_blocks", num_blocks, 0)
+    row_lists = _int_list("chain_rows", chain_rows, 2)
+    if len(row_lists) != len(chain_segments):
+        raise ValueError(
+            f"chain_rows and chain_segments must have one entry per chain, got "
+            f"{len(row_lists)} and {len(chain_segments)}"
+        )
+    flat, starts = _check_segment_rows(row_lists, num_rows)
+    slot_lists: list[list[int]] = []
+    for c, segments in enumerate(chain_segments):
+        slots: list[int] = []
+        for blocks, length in segments:
+            name = f"chain_segments[{c}]"
+            blocks = _check_blocks(name, _int_list(name, blocks, 1), length, block_size, num_blocks)
+            slots.extend(blocks[i // block_size] * block_size + i % block_size for i in range(length))
+        slot_lists.append(slots)
+    sizes = [len(slots) for slots in slot_lists]
+    return PrefixBatch(
+        rows=torch.tensor(flat, dtype=torch.int64, device=device),
+        row_start=torch.tensor(starts, dtype=torch.int32, device=device),
+        block_tables=torch.zeros((len(sizes), 0), dtype=torch.int32, device=device),
+        lengths=torch.tensor(sizes, dtype=torch.int32, device=device),
+        num_rows=num_rows,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_segment_rows=max((len(rows) for rows in row_lists), default=0),
+        max_length=max(sizes, default=0),
+        host_rows=tuple(flat),
+        host_row_start=tuple(starts),
+        host_lengths=tuple(sizes),
+        slot_tables=_table(slot_lists, device).long(),
     )
 
 
@@ -571,6 +645,7 @@ class _Group(NamedTuple):
     causal: bool  # row i of every piece sees keys 0..i (fresh chunks: R == L, no bias)
     valid_positions: Tensor | None  # [N] positions of the valid rows in row_index.flatten()
     identity: bool  # row_index.flatten() is 0 .. T-1: q is read and written in place
+    derived: dict  # index tensors derived on first use (e.g. head-first gather rows)
 
 
 # What one padded group costs beyond its arithmetic (a K/V gather, one fused attention
@@ -611,7 +686,12 @@ def _group_pieces(pieces: list[_Piece], num_heads: int, kv_elements: int) -> lis
 
 
 def _pad_group(
-    pieces: list[_Piece], block_tables: Tensor, block_size: int, causal: bool, num_rows: int
+    pieces: list[_Piece],
+    block_tables: Tensor,
+    block_size: int,
+    causal: bool,
+    num_rows: int,
+    slot_tables: Tensor | None = None,
 ) -> _Group:
     device = block_tables.device
 
@@ -629,9 +709,12 @@ def _pad_group(
     # Padding keys (past key_len) read position 0 instead: a written, finite token
     # whose score the mask drops. Stale slots (even NaN) and table padding are never read.
     key_position = torch.where(key < key_len[:, None], key, 0)  # [P, L]
-    table = block_tables[column(p.table for p in pieces)].long()  # [P, max_blocks]
-    block_ids = table.gather(1, key_position // block_size)  # [P, L]
-    slots = block_ids * block_size + key_position % block_size  # [P, L]
+    if slot_tables is not None:  # a chain batch: each piece's key slots are listed
+        slots = slot_tables[column(p.table for p in pieces)].gather(1, key_position)  # [P, L]
+    else:
+        table = block_tables[column(p.table for p in pieces)].long()  # [P, max_blocks]
+        block_ids = table.gather(1, key_position // block_size)  # [P, L]
+        slots = block_ids * block_size + key_position % block_size  # [P, L]
     square = causal and all(len(p.rows) == p.key_len for p in pieces)
     if square:
         # Fresh chunks: row i sees own positions 0..i, padding rows and keys come last.
@@ -654,7 +737,9 @@ def _pad_group(
     identity = valid_positions is None and [r for p in pieces for r in p.rows] == list(
         range(num_rows)
     )
-    return _Group(row_index, row_valid, rows, slots, bias, square, valid_positions, identity)
+    return _Group(
+        row_index, row_valid, rows, slots, bias, square, valid_positions, identity, {}
+    )
 
 
 def _run_groups(
@@ -668,8 +753,8 @@ def _run_groups(
         lse = torch.full((num_rows, num_heads), -math.inf, dtype=torch.float32, device=q.device)
     for g in groups:
         small = _is_small(g, num_heads)
-        keys = _gather_slots(k_cache, g.slots, small)  # [P, kv, L, dim] fp32
-        values = _gather_slots(v_cache, g.slots, small)
+        keys = _gather_slots(k_cache, g, small)  # [P, kv, L, dim] fp32
+        values = _gather_slots(v_cache, g, small)
         queries = _group_queries(q, g)  # [P, heads, R, dim] fp32
         group_out, group_lse = _attend(queries, keys, values, scale, g.bias, g.causal, small)
         # [P, heads, R, dim] -> [P * R, heads, dim]; [P, heads, R] -> [P * R, heads]
@@ -701,7 +786,14 @@ def _groups(batch: OwnBatch | PrefixBatch, num_heads: int, num_kv_heads: int, he
         else:
             listed = _prefix_pieces(batch, _tile_rows(batch.max_length, num_heads, kv_elements))
         batch.derived[key] = [
-            _pad_group(g, batch.block_tables, batch.block_size, causal, batch.num_rows)
+            _pad_group(
+                g,
+                batch.block_tables,
+                batch.block_size,
+                causal,
+                batch.num_rows,
+                getattr(batch, "slot_tables", None),
+            )
             for g in _group_pieces(listed, num_heads, kv_elements)
         ]
     return batch.derived[key]

@@ -92,6 +92,12 @@ class NativeBackend:
             )
         return blocks
 
+    def _chain_batches(self) -> bool:
+        """Whether a row's whole chain of shared segments is one attention part: on the
+        torch path (kernels.chain_batch reads slot lists); the Triton kernels take one
+        block-table batch per chain level."""
+        return kernels.implementation(torch.empty(0, device=self.device)) == "torch"
+
     # -- run ---------------------------------------------------------------------------
     @torch.inference_mode()
     def run(
@@ -102,6 +108,7 @@ class NativeBackend:
         progress: ProgressCallback | None = None,
     ) -> BackendResult:
         num_blocks = self._num_blocks(plan)
+        self._chains_in_one_part = self._chain_batches()
         shape = (num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
         self.k_cache = [
             torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -201,6 +208,7 @@ class NativeBackend:
         context_lens: list[int] = []
         tables: list[list[int]] = []
         levels: list[dict[int, list[int]]] = []  # level -> segment id -> q rows
+        chains: dict[tuple[int, ...], list[int]] = {}  # whole chain -> q rows
         last_rows: list[int] = []  # the last row of each sampled chunk, in chunk order
         for chunk in chunks:
             seq = chunk.seq
@@ -216,21 +224,37 @@ class NativeBackend:
                 if level == len(levels):
                     levels.append({})
                 levels[level].setdefault(segment_id, []).extend(range(begin, len(input_ids)))
+            if seq.chain:
+                chains.setdefault(seq.chain, []).extend(range(begin, len(input_ids)))
             if chunk.sample:
                 last_rows.append(len(input_ids) - 1)
         device = self.device
         shape = {"block_size": bs, "num_blocks": scheduler.blocks.num_blocks, "device": device}
         own_batch = kernels.own_batch(query_start, tables, context_lens, **shape)
-        prefix_batches = [
-            kernels.prefix_batch(
-                list(level.values()),
-                [scheduler.segment_blocks(s) for s in level],
-                [scheduler.segment_length(s) for s in level],
-                num_rows=len(input_ids),
-                **shape,
-            )
-            for level in levels
-        ]
+        if self._chains_in_one_part and chains:
+            # torch path: a row's whole chain is one attention part (one call, one merge)
+            prefix_batches = [
+                kernels.chain_batch(
+                    list(chains.values()),
+                    [
+                        [(scheduler.segment_blocks(s), scheduler.segment_length(s)) for s in chain]
+                        for chain in chains
+                    ],
+                    num_rows=len(input_ids),
+                    **shape,
+                )
+            ]
+        else:  # one batch per level of the chains (the Triton kernels read block tables)
+            prefix_batches = [
+                kernels.prefix_batch(
+                    list(level.values()),
+                    [scheduler.segment_blocks(s) for s in level],
+                    [scheduler.segment_length(s) for s in level],
+                    num_rows=len(input_ids),
+                    **shape,
+                )
+                for level in levels
+            ]
         slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
         scale = self.config.scale
 
