@@ -583,7 +583,9 @@ def chain_batch(
         for blocks, length in segments:
             name = f"chain_segments[{c}]"
             blocks = _check_blocks(name, _int_list(name, blocks, 1), length, block_size, num_blocks)
-            slots.extend(blocks[i // block_size] * block_size + i % block_size for i in range(length))
+            slots.extend(
+                blocks[i // block_size] * block_size + i % block_size for i in range(length)
+            )
         slot_lists.append(slots)
     sizes = [len(slots) for slots in slot_lists]
     return PrefixBatch(
@@ -737,9 +739,7 @@ def _pad_group(
     identity = valid_positions is None and [r for p in pieces for r in p.rows] == list(
         range(num_rows)
     )
-    return _Group(
-        row_index, row_valid, rows, slots, bias, square, valid_positions, identity, {}
-    )
+    return _Group(row_index, row_valid, rows, slots, bias, square, valid_positions, identity, {})
 
 
 def _run_groups(
