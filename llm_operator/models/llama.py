@@ -8,6 +8,9 @@ KV caches or pages: each layer hands its rotated q, k and v to the caller's
 Numerics follow Hugging Face (RMSNorm in fp32 cast back, rotate_half RoPE with
 cos/sin from fp32, logits in the model dtype then float32). Two changes of layout
 only: q/k/v and gate/up projections are fused into one matmul each at load time.
+The elementwise work between the linear layers (norms, residual adds, q/k/v split,
+RoPE, SiLU(gate) * up) runs as three fused regions per layer, compiled ahead of time by
+inductor unless LLM_OPERATOR_COMPILE=0 (models/fused.py); linears and attention stay eager.
 
     family   q/k/v bias  o_proj bias      q/k RMSNorm  sliding window
     llama    config      config           -            -
@@ -28,13 +31,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from llm_operator.models import fused
+from llm_operator.models.fused import FusedOps
 from llm_operator.models.gemm import linear
-from llm_operator.models.rope import (
-    RotaryEmbedding,
-    apply_rotary,
-    rope_inverse_frequencies,
-    rope_type,
-)
+from llm_operator.models.rope import RotaryEmbedding, rope_inverse_frequencies, rope_type
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -142,7 +142,7 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    """HF's RMSNorm: normalize in fp32, cast back, then scale by the weight."""
+    """HF's RMSNorm (``fused.rms_norm``): normalize in fp32, cast back, then scale by the weight."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -150,16 +150,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x = x.float()
-        variance = x.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x * torch.rsqrt(variance + self.eps)).to(dtype)
+        return fused.rms_norm(x, self.weight, self.eps)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention block then pre-norm SwiGLU MLP, each with a residual add."""
+    """Pre-norm attention block then pre-norm SwiGLU MLP, each with a residual add.
 
-    def __init__(self, config: NativeConfig, layer_index: int, act_fn: nn.Module) -> None:
+    The MLP's residual add is left to the caller, which fuses it with the next norm (the
+    next layer's input norm, or the final norm): see ``forward``.
+    """
+
+    def __init__(self, config: NativeConfig, layer_index: int, hidden_act: str) -> None:
+        from transformers.activations import ACT2FN
+
         super().__init__()
         self.config = config
         self.layer_index = layer_index
@@ -173,26 +176,58 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.gate_up_proj = Linear(hidden, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, hidden, bias=False)
-        self.act_fn = act_fn
+        self.act_fn = ACT2FN[hidden_act]
+        self.fuse_activation = hidden_act == "silu"  # fused.silu_mul; eager act_fn otherwise
 
-    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, attention: AttentionFn) -> Tensor:
-        # hidden: [T, hidden_size]; cos, sin: [T, head_dim]
+    def forward(
+        self,
+        hidden: Tensor,
+        delta: Tensor | None,
+        cos: Tensor,
+        sin: Tensor,
+        attention: AttentionFn,
+        ops: FusedOps = fused.EAGER_OPS,
+    ) -> tuple[Tensor, Tensor]:
+        """One layer on the residual stream ``hidden + delta`` (``delta`` None: just ``hidden``).
+
+        hidden, delta: [T, hidden_size]; cos, sin: [T, head_dim]; ``ops``: the elementwise
+        regions (``fused.fused_ops``). Returns (residual stream after the attention block,
+        the MLP's output), each [T, hidden_size]: the layer's output is their sum, which
+        the caller forms inside its next norm (``ops.add_rms_norm``).
+        """
         config = self.config
         tokens = hidden.shape[0]
-        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        qkv = self.qkv_proj(self.input_layernorm(hidden))  # [T, q_size + 2 * kv_size]
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(tokens, config.num_heads, config.head_dim)  # [T, heads, dim]
-        k = k.view(tokens, config.num_kv_heads, config.head_dim)  # [T, kv_heads, dim]
-        v = v.reshape(tokens, config.num_kv_heads, config.head_dim).contiguous()
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        eps = config.rms_norm_eps
+        if delta is None:  # the first layer: once per forward, eager
+            normed = fused.rms_norm(hidden, self.input_layernorm.weight, eps)
+        else:
+            hidden, normed = ops.add_rms_norm(hidden, delta, self.input_layernorm.weight, eps)
+        qkv = self.qkv_proj(normed)  # [T, (heads + 2 * kv_heads) * dim]
+        q_norm, k_norm = self.q_norm, self.k_norm
+        q, k, v = ops.qkv_rope(
+            qkv,
+            cos,
+            sin,
+            None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight,
+            eps,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+        )  # q: [T, heads, dim]; k, v: [T, kv_heads, dim]; contiguous
         out = attention(self.layer_index, q, k, v)  # [T, heads, dim]
         assert out.shape == q.shape, f"attention returned {tuple(out.shape)}, want {tuple(q.shape)}"
-        hidden = hidden + self.o_proj(out.reshape(tokens, q_size))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
-        return hidden + self.down_proj(self.act_fn(gate) * up)
+        attended = self.o_proj(out.reshape(tokens, config.num_heads * config.head_dim))
+        hidden, normed = ops.add_rms_norm(
+            hidden, attended, self.post_attention_layernorm.weight, eps
+        )
+        gate_up = self.gate_up_proj(normed)  # [T, 2 * intermediate]
+        if self.fuse_activation:
+            activated = ops.silu_mul(gate_up)  # [T, intermediate]
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            activated = self.act_fn(gate) * up
+        return hidden, self.down_proj(activated)
 
 
 def _has_o_proj_bias(config: NativeConfig) -> bool:
@@ -208,13 +243,10 @@ class LlamaModel(nn.Module):
 
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
-        from transformers.activations import ACT2FN
-
         self.config = config = native_config(hf_config)
-        act_fn = ACT2FN[hf_config.hidden_act]
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, index, act_fn) for index in range(config.num_layers)
+            DecoderLayer(config, index, hf_config.hidden_act) for index in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
@@ -252,9 +284,13 @@ class LlamaModel(nn.Module):
         )
         hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
         cos, sin = self.rotary(positions, hidden.dtype)  # [T, head_dim] each
+        ops = fused.fused_ops(hidden.device, hidden.dtype)  # compiled or eager regions
+        delta = None  # the last layer's MLP output, added inside the next norm
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, attention)
-        return self.norm(hidden)
+            hidden, delta = layer(hidden, delta, cos, sin, attention, ops)
+        if delta is None:  # no layers
+            return self.norm(hidden)
+        return ops.add_rms_norm(hidden, delta, self.norm.weight, self.config.rms_norm_eps)[1]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size] float32 (matmul in the model dtype)."""
