@@ -513,30 +513,30 @@ def prefix_batch(
             f"segment_rows, segment_blocks and lengths must have one entry per segment, got "
             f"{len(row_lists)}, {len(tables)} and {len(sizes)}"
         )
-    flat, starts = _check_segment_rows(row_lists, num_rows)
-    used = []
-    for s, (table, length) in enumerate(zip(tables, sizes)):
+    for s, length in enumerate(sizes):
         if length < 0:
             raise ValueError(f"lengths[{s}] must be >= 0, got {length}")
-        used.append(_check_blocks(f"segment_blocks[{s}]", table, length, block_size, num_blocks))
-    return PrefixBatch(
-        rows=torch.tensor(flat, dtype=torch.int64, device=device),
-        row_start=torch.tensor(starts, dtype=torch.int32, device=device),
-        block_tables=_table(used, device),
-        lengths=torch.tensor(sizes, dtype=torch.int32, device=device),
-        num_rows=num_rows,
-        block_size=block_size,
-        num_blocks=num_blocks,
-        max_segment_rows=max((len(rows) for rows in row_lists), default=0),
-        max_length=max(sizes, default=0),
-        host_rows=tuple(flat),
-        host_row_start=tuple(starts),
-        host_lengths=tuple(sizes),
-    )
+    used = [
+        _check_blocks(f"segment_blocks[{s}]", table, length, block_size, num_blocks)
+        for s, (table, length) in enumerate(zip(tables, sizes))
+    ]
+    shape = {"num_rows": num_rows, "block_size": block_size, "num_blocks": num_blocks}
+    return _segment_batch(row_lists, sizes, _table(used, device), None, device=device, **shape)
 
 
-def _check_segment_rows(row_lists: list[list[int]], num_rows: int) -> tuple[list, list]:
-    """Rows in [0, num_rows), each in at most one segment; (flat rows, cumulative starts)."""
+def _segment_batch(
+    row_lists: list[list[int]],
+    sizes: list[int],
+    block_tables: Tensor,
+    slot_tables: Tensor | None,
+    *,
+    num_rows: int,
+    block_size: int,
+    num_blocks: int,
+    device: torch.device | str,
+) -> PrefixBatch:
+    """The PrefixBatch of prefix_batch and chain_batch, after checking that every row lies
+    in [0, num_rows) and in at most one segment."""
     seen: set[int] = set()
     for s, rows in enumerate(row_lists):
         for row in rows:
@@ -546,7 +546,22 @@ def _check_segment_rows(row_lists: list[list[int]], num_rows: int) -> tuple[list
                 raise ValueError(f"q row {row} is in two segments of one batch (segment {s})")
             seen.add(row)
     flat = [row for rows in row_lists for row in rows]
-    return flat, list(itertools.accumulate((len(rows) for rows in row_lists), initial=0))
+    starts = list(itertools.accumulate((len(rows) for rows in row_lists), initial=0))
+    return PrefixBatch(
+        rows=torch.tensor(flat, dtype=torch.int64, device=device),
+        row_start=torch.tensor(starts, dtype=torch.int32, device=device),
+        block_tables=block_tables,
+        lengths=torch.tensor(sizes, dtype=torch.int32, device=device),
+        num_rows=num_rows,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_segment_rows=max((len(rows) for rows in row_lists), default=0),
+        max_length=max(sizes, default=0),
+        host_rows=tuple(flat),
+        host_row_start=tuple(starts),
+        host_lengths=tuple(sizes),
+        slot_tables=slot_tables,
+    )
 
 
 def chain_batch(
@@ -576,7 +591,6 @@ def chain_batch(
             f"chain_rows and chain_segments must have one entry per chain, got "
             f"{len(row_lists)} and {len(chain_segments)}"
         )
-    flat, starts = _check_segment_rows(row_lists, num_rows)
     slot_lists: list[list[int]] = []
     for c, segments in enumerate(chain_segments):
         slots: list[int] = []
@@ -588,21 +602,10 @@ def chain_batch(
             )
         slot_lists.append(slots)
     sizes = [len(slots) for slots in slot_lists]
-    return PrefixBatch(
-        rows=torch.tensor(flat, dtype=torch.int64, device=device),
-        row_start=torch.tensor(starts, dtype=torch.int32, device=device),
-        block_tables=torch.zeros((len(sizes), 0), dtype=torch.int32, device=device),
-        lengths=torch.tensor(sizes, dtype=torch.int32, device=device),
-        num_rows=num_rows,
-        block_size=block_size,
-        num_blocks=num_blocks,
-        max_segment_rows=max((len(rows) for rows in row_lists), default=0),
-        max_length=max(sizes, default=0),
-        host_rows=tuple(flat),
-        host_row_start=tuple(starts),
-        host_lengths=tuple(sizes),
-        slot_tables=_table(slot_lists, device).long(),
-    )
+    no_blocks = torch.zeros((len(sizes), 0), dtype=torch.int32, device=device)
+    slot_tables = _table(slot_lists, device).long()
+    shape = {"num_rows": num_rows, "block_size": block_size, "num_blocks": num_blocks}
+    return _segment_batch(row_lists, sizes, no_blocks, slot_tables, device=device, **shape)
 
 
 def check_launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, batch, kind: type) -> int:
@@ -860,13 +863,14 @@ def prefix_attention(
              chunks alike
     k_cache,
     v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype and device
-    batch:   PrefixBatch from prefix_batch()
+    batch:   PrefixBatch from prefix_batch() or chain_batch()
     Returns AttentionOutput(out [T, num_heads, head_dim] q.dtype, lse [T, num_heads] fp32);
     rows in no segment of the batch get out 0 and lse -inf.
 
-    GQA: the query heads of one KV head are packed into the row dimension, so each
-    segment's K/V is read once for all rows of all its requests (one matrix-matrix
-    product per KV head); segments of similar length are batched together.
+    Each segment's K/V is read once for all rows of all its requests (one matrix-matrix
+    product per head; the fused CPU kernel reads GQA K/V in place, decode-sized groups
+    pack the query heads of one KV head into the rows); segments of similar length are
+    batched together.
     """
     check_launch(q, k_cache, v_cache, batch, PrefixBatch)
     scale = check_scale(scale)

@@ -464,11 +464,9 @@ def attend_to(case: PagedCase, table: torch.Tensor):
     return attend_prefix(case, case.q, shuffled, shuffled.shape[0])
 
 
-@pytest.mark.parametrize("block_size", [1, 4])
-def test_prefix_batch_of_several_segments_matches_each_alone(block_size):
-    """Segments of different lengths in one batch (grouped and padded together) give each
-    row what its own segment alone gives; a row in no segment gets out 0, lse -inf."""
-    lengths = [7, 13, 4, 30]
+def segments_case(lengths: list[int], block_size: int, seed: int):
+    """A case whose prefix is cut into segments: segment i owns whole blocks of it and
+    reads lengths[i] tokens. Returns (case, block cuts, per-segment block tables)."""
     per_block = [-(-n // block_size) for n in lengths]
     cuts = list(itertools.accumulate(per_block, initial=0))
     case = make_case(
@@ -478,10 +476,17 @@ def test_prefix_batch_of_several_segments_matches_each_alone(block_size):
         num_kv_heads=2,
         group=4,
         head_dim=16,
-        seed=11,
+        seed=seed,
     )
-    # Segment i: its own whole blocks of the prefix, of which it reads lengths[i] tokens.
-    tables = [case.prefix_blocks[a:b] for a, b in zip(cuts, cuts[1:])]
+    return case, cuts, [case.prefix_blocks[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_prefix_batch_of_several_segments_matches_each_alone(block_size):
+    """Segments of different lengths in one batch (grouped and padded together) give each
+    row what its own segment alone gives; a row in no segment gets out 0, lse -inf."""
+    lengths = [7, 13, 4, 30]
+    case, cuts, tables = segments_case(lengths, block_size, seed=11)
     segment_rows = [[0, 5, 7], [1, 2], [], [3, 6, 8, 9]]  # row 4 reads no segment
     batch = prefix_batch(segment_rows, tables, lengths, num_rows=10, **cache_shape(case))
     out, lse = prefix_attention(case.q, case.k_cache, case.v_cache, batch, case.scale)
@@ -507,18 +512,7 @@ def test_chain_batch_equals_its_levels_merged_and_the_dense_oracle(block_size):
     same as one prefix_batch per level merged by log-sum-exp, and as dense attention over
     the keys written at its positions. Rows read different chains of different depths."""
     lengths = [5, 9, 3]  # segment 0 (outermost), then 1 or 2 below it
-    per_block = [-(-n // block_size) for n in lengths]
-    cuts = list(itertools.accumulate(per_block, initial=0))
-    case = make_case(
-        prefix_len=cuts[-1] * block_size,
-        requests=[(3, 3), (2, 1), (5, 2), (4, 4)],
-        block_size=block_size,
-        num_kv_heads=2,
-        group=4,
-        head_dim=16,
-        seed=12,
-    )
-    tables = [case.prefix_blocks[a:b] for a, b in zip(cuts, cuts[1:])]
+    case, cuts, tables = segments_case(lengths, block_size, seed=12)
     segments = list(zip(tables, lengths))
     chains = [(0, 1), (0, 2), (1,)]
     chain_rows = [[0, 5, 7], [1, 2, 9], [3, 6]]  # rows 4 and 8 read no chain

@@ -198,8 +198,9 @@ class NativeBackend:
     # -- one iteration's tensors -------------------------------------------------------
     def _batch(self, chunks: list[ScheduledChunk], scheduler: Scheduler) -> dict:
         """Token-packed inputs, slots and the step's attention layout, built once on the
-        host and reused by every layer: one own-attention batch, and one prefix batch per
-        level of the segment chains (a row reads at most one segment per level)."""
+        host and reused by every layer: one own-attention batch, and the shared prefixes
+        as one chain batch (torch path) or one prefix batch per level of the segment
+        chains (Triton; a row reads at most one segment per level)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -207,7 +208,6 @@ class NativeBackend:
         query_start = [0]
         context_lens: list[int] = []
         tables: list[list[int]] = []
-        levels: list[dict[int, list[int]]] = []  # level -> segment id -> q rows
         chains: dict[tuple[int, ...], list[int]] = {}  # whole chain -> q rows
         last_rows: list[int] = []  # the last row of each sampled chunk, in chunk order
         for chunk in chunks:
@@ -220,10 +220,6 @@ class NativeBackend:
             query_start.append(len(input_ids))
             context_lens.append(chunk.start + chunk.length)
             tables.append(seq.blocks)
-            for level, segment_id in enumerate(seq.chain):
-                if level == len(levels):
-                    levels.append({})
-                levels[level].setdefault(segment_id, []).extend(range(begin, len(input_ids)))
             if seq.chain:
                 chains.setdefault(seq.chain, []).extend(range(begin, len(input_ids)))
             if chunk.sample:
@@ -245,6 +241,12 @@ class NativeBackend:
                 )
             ]
         else:  # one batch per level of the chains (the Triton kernels read block tables)
+            levels: list[dict[int, list[int]]] = []  # level -> segment id -> q rows
+            for chain, rows in chains.items():
+                for level, segment_id in enumerate(chain):
+                    if level == len(levels):
+                        levels.append({})
+                    levels[level].setdefault(segment_id, []).extend(rows)
             prefix_batches = [
                 kernels.prefix_batch(
                     list(level.values()),
