@@ -19,8 +19,13 @@ import threading
 import time
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
+
+from llm_operator import options as option_table
+from llm_operator.config import EngineConfig
+from llm_operator.prompts import as_chat
+from llm_operator.sampling import SamplingParams
 
 logger = logging.getLogger("llm_operator.integrations")
 
@@ -33,111 +38,57 @@ RESULT_FIELDS: tuple[tuple[str, type], ...] = (
     ("error", str),
 )
 
-_ENGINE_OPTION_NAMES = (
-    "device",
-    "dtype",
-    "kv_cache_memory",
-    "max_batch_size",
-    "prefill_batch_tokens",
-    "kv_block_size",
-    "min_shared_tokens",
-    "share_prefixes",
-    "decode_first",
-    "token_batching",
-    "trust_remote_code",
-    "progress",
-    "cache_dir",
-    "vllm_options",  # a mapping of vllm.LLM keyword arguments (backend="vllm")
-)
-
 
 @dataclass(frozen=True)
 class InferOptions:
     """Everything a partition needs to run; hashable, small, cheap to pickle."""
 
     model: str
-    backend: str = "auto"
-    max_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
+    engine: EngineConfig
+    sampling: SamplingParams
     chat: bool = False
     system: str | None = None
-    engine_options: tuple[tuple[str, Any], ...] = ()
-
-    def sampling(self):
-        from llm_operator.sampling import SamplingParams
-
-        return SamplingParams(
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            stop=self.stop,
-            seed=self.seed,
-        )
 
     def engine_key(self, device: str | None = None) -> tuple:
-        return (self.model, self.backend, self.engine_options, device)
+        return (self.model, self.engine, device)
+
+    def prompts(self, values: Sequence[Any]) -> list[Any]:
+        """Column values to prompts (``chat``/``system``: each string as a user message)."""
+        return as_chat(values, chat=self.chat, system=self.system)
 
 
 def make_options(
-    *,
-    model: Any,
-    backend: str = "auto",
-    max_tokens: int = 64,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int | None = None,
-    stop: str | Sequence[str] | None = None,
-    chat: bool = False,
-    system: str | None = None,
-    engine_options: Mapping[str, Any] | None = None,
+    *, model: Any, engine_options: Mapping[str, Any] | None = None, **options: Any
 ) -> InferOptions:
-    """Validated options (on the driver, before any model loads)."""
-    from llm_operator.config import EngineConfig
+    """Validated options (on the driver, before any model loads).
 
+    options: any engine, sampling or prompt option of ``llm_operator.options``.
+    engine_options: engine options as one mapping (the older spelling; merged).
+    """
     if not isinstance(model, (str, os.PathLike)) or not str(model):
         raise TypeError(f"model must be an alias or a path, got {model!r}")
-    if isinstance(stop, str):
-        stop = (stop,)
-    engine_options = dict(engine_options or {})
-    unknown = sorted(set(engine_options) - set(_ENGINE_OPTION_NAMES))
-    if unknown:
-        raise ValueError(
-            f"engine_options has unknown names {unknown}; known: {', '.join(_ENGINE_OPTION_NAMES)}"
-        )
-    if "vllm_options" in engine_options:  # a mapping -> sorted pairs: hashable
-        from llm_operator.config import EngineConfig as _Config
-
-        engine_options["vllm_options"] = _Config(
-            vllm_options=engine_options["vllm_options"]
-        ).vllm_options
-    if system is not None and not isinstance(system, str):
-        raise TypeError(f"system must be a string, got {type(system).__name__}")
-    if not isinstance(chat, bool):
-        raise TypeError(f"chat must be a bool, got {chat!r}")
-    options = InferOptions(
+    if engine_options:
+        if not isinstance(engine_options, Mapping):
+            raise TypeError(f"engine_options must be a mapping, got {engine_options!r}")
+        try:
+            option_table.split(engine_options, ["engine"])
+        except TypeError as error:
+            raise ValueError(f"engine_options: {error}") from None
+        both = sorted(set(engine_options) & set(options))
+        if both:
+            raise ValueError(f"{both} given both as keywords and in engine_options; give one")
+        options = {**engine_options, **options}
+    scoped = option_table.split(options)
+    prompt = {**option_table.defaults("prompt"), **scoped["prompt"]}
+    for name, value in prompt.items():
+        option_table.BY_NAME[name].validate(value)
+    return InferOptions(
         model=os.fspath(model),
-        backend=backend,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        stop=tuple(stop or ()),
-        chat=chat or system is not None,
-        system=system,
-        engine_options=tuple(sorted(engine_options.items())),
+        engine=EngineConfig(**scoped["engine"]),
+        sampling=SamplingParams(**scoped["sampling"]),
+        chat=prompt["chat"] or prompt["system"] is not None,
+        system=prompt["system"],
     )
-    options.sampling()  # raises ValueError/TypeError naming a bad sampling option
-    config_options = {k: v for k, v in engine_options.items() if k != "cache_dir"}
-    EngineConfig(backend=backend, **config_options)  # raises on a bad engine option
-    hash(options)  # engine options must be hashable (they key the per-worker cache)
-    return options
 
 
 # -- one engine per worker process ----------------------------------------------------
@@ -154,10 +105,10 @@ def get_operator(options: InferOptions, device: str | None = None):
         if operator is None:
             from llm_operator import LLMOperator
 
-            engine = dict(options.engine_options)
+            engine = {f.name: getattr(options.engine, f.name) for f in fields(options.engine)}
             if device is not None:
                 engine["device"] = device
-            operator = LLMOperator(options.model, backend=options.backend, **engine)
+            operator = LLMOperator(options.model, **engine)
             _engines[key] = operator
             _constructions[key] = _constructions.get(key, 0) + 1
         return operator
@@ -171,16 +122,6 @@ def engine_constructions(key: tuple | None = None) -> int:
 
 
 # -- running one partition --------------------------------------------------------
-def build_prompts(values: Sequence[Any], options: InferOptions) -> list[Any]:
-    """Column values to prompts: chat wraps each string as a user message (after the system one)."""
-    if not options.chat:
-        return list(values)
-    system = [{"role": "system", "content": options.system}] if options.system else []
-    return [
-        [*system, {"role": "user", "content": v}] if isinstance(v, str) and v else v for v in values
-    ]
-
-
 def run_partition(
     values: Sequence[Any],
     options: InferOptions,
@@ -196,7 +137,7 @@ def run_partition(
     operator = get_operator(options, device)
     lock = _partition_lock(operator)
     with lock:  # one generate at a time per engine (threaded workers share it)
-        results = operator.generate(build_prompts(values, options), options.sampling())
+        results = operator.generate(options.prompts(values), options.sampling)
         stats = operator.last_stats
     logger.info(
         "%s: %d rows (%d errors), %d prompt tokens, %d prefilled, %d output tokens, %.2f s, saving ratio %.1f%%",

@@ -32,6 +32,7 @@ from llm_operator.integrations._partition import (
     result_records,
     run_partition,
 )
+from llm_operator.options import SCOPES, keyword_signature
 
 # Text results use the dtype dask itself gives text columns (its "convert-string" default).
 STRING_DTYPE = pd.StringDtype("pyarrow")
@@ -59,16 +60,8 @@ def llm_infer(
     *,
     output: str = "out",
     model: Any,
-    backend: str = "auto",
-    max_tokens: int = 64,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int | None = None,
-    stop: str | Sequence[str] | None = None,
-    chat: bool = False,
-    system: str | None = None,
     engine_options: Mapping[str, Any] | None = None,
+    **options: Any,
 ) -> dd.DataFrame:
     """``ddf`` with the generated columns added (lazy; nothing runs until compute).
 
@@ -80,8 +73,9 @@ def llm_infer(
     col: a column of strings (string or object dtype); with ``chat=True`` (or a
         ``system`` prompt) each string becomes a user message. Missing and empty
         prompts become error rows; they never fail the partition.
-    model, backend, engine_options: which engine each worker process builds once and
-        reuses (``LLMOperator`` arguments). Sampling options as in ``SamplingParams``.
+    model and the engine options: which engine each worker process builds once and reuses
+        (``LLMOperator`` arguments; ``engine_options`` takes them as a mapping too).
+    options: every engine, sampling and prompt option (``llm_operator.options``).
     """
     _check_prompt_column(ddf, col)
     if not isinstance(output, str) or not output:
@@ -92,21 +86,12 @@ def llm_infer(
         raise ValueError(
             f"output={output!r} would overwrite existing column(s) {existing}; choose another output"
         )
-    options = make_options(
-        model=model,
-        backend=backend,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        stop=stop,
-        chat=chat,
-        system=system,
-        engine_options=engine_options,
-    )
+    options = make_options(model=model, engine_options=engine_options, **options)
     meta = _with_results(ddf._meta, [], output)
     return ddf.map_partitions(_infer_partition, col, options, output, meta=meta)
+
+
+keyword_signature(llm_infer, SCOPES)
 
 
 def _infer_partition(

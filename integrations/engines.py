@@ -7,13 +7,17 @@ their position through co-location and are put back in order at the end.
 from __future__ import annotations
 
 import json
-import os
-import sys
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 ENGINES = ("local", "spark", "dask")
+
+
+class Generated(NamedTuple):
+    results: list  # GenerationResult per prompt, in input order
+    seconds: float
+    stats: Any  # the operator's RunStats on the local engine; None on spark and dask
 
 
 def generate(
@@ -21,29 +25,29 @@ def generate(
     *,
     engine: str,
     model: str,
-    sampling: Mapping[str, Any],
-    engine_options: Mapping[str, Any] | None = None,
     partitions: int = 2,
-) -> tuple[list, float]:
-    """(results in input order, seconds). ``sampling``: max_tokens, temperature, top_p, top_k, stop, seed."""
+    **options: Any,
+) -> Generated:
+    """Results in input order. ``options``: any engine, sampling or prompt option
+    (``llm_operator.options``), passed the same way to every engine."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
         raise ValueError(f"partitions must be an int >= 1, got {partitions!r}")
-    from llm_operator.integrations._partition import make_options
+    from llm_operator.integrations._partition import get_operator, make_options
 
-    infer_kwargs = {"model": model, **sampling, "engine_options": engine_options}
-    options = make_options(**infer_kwargs)
+    checked = make_options(model=model, **options)  # every option checked before any work
     started = time.perf_counter()
+    stats = None
     if engine == "local":
-        from llm_operator.integrations._partition import get_operator
-
-        results = get_operator(options).generate(list(prompts), options.sampling())
+        operator = get_operator(checked)
+        results = operator.generate(checked.prompts(list(prompts)), checked.sampling)
+        stats = operator.last_stats
     elif engine == "spark":
-        results = _spark(prompts, infer_kwargs, partitions)
+        results = _spark(prompts, {"model": model, **options}, partitions)
     else:
-        results = _dask(prompts, infer_kwargs, partitions)
-    return results, time.perf_counter() - started
+        results = _dask(prompts, {"model": model, **options}, partitions)
+    return Generated(results, time.perf_counter() - started, stats)
 
 
 def _to_result(record: Mapping[str, Any]):
@@ -60,22 +64,13 @@ def _to_result(record: Mapping[str, Any]):
 
 
 def _spark(prompts: Sequence[Any], infer_kwargs: Mapping[str, Any], partitions: int) -> list:
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    from pyspark.sql import SparkSession
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
 
     from llm_operator.integrations.spark import co_locate, llm_infer
+    from llm_operator.integrations.spark_session import local_session
 
-    spark = (
-        SparkSession.builder.master(f"local[{partitions}]")
-        .appName("llm-operator")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = local_session(partitions)
     chat = any(isinstance(p, list) for p in prompts)
     if chat:
         message = T.StructType(

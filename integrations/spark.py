@@ -39,6 +39,7 @@ from llm_operator.integrations._partition import (
     result_records,
     run_partition,
 )
+from llm_operator.options import SCOPES, keyword_signature
 
 _SPARK_TYPES = {str: T.StringType(), int: T.IntegerType()}
 RESULT_TYPE = T.StructType(
@@ -51,43 +52,26 @@ def llm_infer(
     col: str | Column,
     *,
     model: Any,
-    backend: str = "auto",
-    max_tokens: int = 64,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int | None = None,
-    stop: str | list[str] | tuple[str, ...] | None = None,
-    chat: bool = False,
-    system: str | None = None,
     engine_options: Mapping[str, Any] | None = None,
+    **options: Any,
 ) -> Column:
     """A struct column ``text, finish_reason, prompt_tokens, completion_tokens, error``.
 
     col: a column name or a Column expression (e.g. an ``F.format_string`` or
         ``F.concat`` template) of strings, or of chat message lists
         (``array<struct<role, content>>`` or ``array<map<string, string>>``).
+    options: every engine, sampling and prompt option (``llm_operator.options``), e.g.
+        ``backend``, ``max_batch_size``, ``max_tokens``, ``temperature``, ``stop``,
+        ``seed``, ``chat``, ``system``; ``engine_options`` takes engine options as a mapping.
     Options are validated here, on the driver, before any Spark job or model load.
     A null or empty prompt gives that row ``finish_reason="error"`` and a message. A
     column of another type raises TypeError naming the type inside the UDF, before any
     model loads (Spark reports it as a failed task); ``llm_infer_df`` raises it on the
     driver instead, before any job runs.
     Tasks with a "gpu" resource run on ``cuda:<first address>``; other tasks run on CPU
-    unless ``engine_options`` names a device.
+    unless the ``device`` option names one.
     """
-    options = make_options(
-        model=model,
-        backend=backend,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        stop=stop,
-        chat=chat,
-        system=system,
-        engine_options=engine_options,
-    )
+    options = make_options(model=model, engine_options=engine_options, **options)
     column = _as_column(col, "col")
 
     def infer(batches: Iterator[pd.Series]) -> Iterator[pd.DataFrame]:
@@ -95,6 +79,9 @@ def llm_infer(
 
     infer.__name__ = "llm_infer"
     return F.pandas_udf(infer, returnType=RESULT_TYPE)(column)
+
+
+keyword_signature(llm_infer, SCOPES)
 
 
 def llm_infer_df(
@@ -189,13 +176,13 @@ def prompt_values(batch: pd.Series) -> list[Any]:
 def task_device(context: Any, options: InferOptions) -> str | None:
     """``cuda:<first address>`` for a task given a "gpu" resource; else CPU.
 
-    An explicit ``engine_options["device"]`` is kept (None lets it through).
+    An explicit ``device`` option is kept (None lets it through).
     """
     if context is not None:
         gpus = context.resources().get("gpu")
         if gpus is not None and gpus.addresses:
             return f"cuda:{gpus.addresses[0]}"
-    if dict(options.engine_options).get("device") is not None:
+    if options.engine.device != "auto":
         return None
     return "cpu"
 

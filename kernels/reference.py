@@ -10,7 +10,7 @@ attention over ``[shared prefix ; own tokens]`` into two parts over disjoint key
 
 and ``merge_attention_states`` combines the ``(out, lse)`` results by log-sum-exp.
 These functions are the CPU path of the engine and the oracle for the Triton kernels
-that will share their signatures.
+(``triton_attention.py``), which share their signatures and semantics.
 
 Layout of one layer's cache (a token's slot is ``block_id * block_size + offset``)::
 
@@ -25,7 +25,7 @@ key gets ``out = 0`` and ``lse = -inf``.
 Work is split into row tiles and request groups so one batched matmul materializes at
 most about ``MAX_SCORE_ELEMENTS`` fp32 values; the loops run over tiles and groups,
 never over tokens. Index values (slots, block ids, lengths) are checked here, on the
-host; the Triton launchers will check shapes, strides and dtypes only.
+host; the Triton launchers check shapes, strides and dtypes only.
 """
 
 from __future__ import annotations

@@ -9,48 +9,25 @@ import sys
 import time
 from pathlib import Path
 
+from llm_operator import options as option_table
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def _add_model_options(parser: argparse.ArgumentParser) -> None:
+def _add_model_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=DEFAULT_MODEL, help="alias, Hugging Face model directory or .gguf file"
     )
-    parser.add_argument(
-        "--trust-remote-code", action="store_true", help="allow code shipped with the model to run"
-    )
 
 
-def _add_prompt_options(parser: argparse.ArgumentParser) -> None:
+def _add_prompt_source(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", type=Path, help="a Parquet, CSV or JSONL file")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt-col", help="the column holding the prompts")
     source.add_argument(
         "--template", help='a prompt template over the columns, e.g. "Review: {text}\\nLabel:"'
     )
-    parser.add_argument(
-        "--chat", action="store_true", help="send each prompt as a user chat message"
-    )
-    parser.add_argument("--system", help="a system message (implies --chat)")
     parser.add_argument("--limit", type=int, help="only the first N rows")
-
-
-def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    parser.add_argument("--seed", type=int)
-
-
-def _add_engine_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", default="auto", choices=["auto", "hf", "native", "vllm"])
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-batch-size", type=int, default=64)
-    parser.add_argument("--kv-cache-memory", default="auto", help='bytes or a size such as "2GiB"')
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="run the model over a table and write the outputs")
-    _add_prompt_options(run)
+    _add_prompt_source(run)
     run.add_argument(
         "--output", type=Path, required=True, help="output file (.parquet, .csv or .jsonl)"
     )
@@ -70,23 +47,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="run in this process, on Spark (local mode) or on Dask",
     )
     run.add_argument("--partitions", type=int, default=2, help="partitions for spark and dask")
-    _add_model_options(run)
-    _add_sampling_options(run)
-    _add_engine_options(run)
+    _add_model_option(run)
+    option_table.add_arguments(run)
 
     plan = commands.add_parser(
         "plan", help="print the prefix-sharing report without loading the model"
     )
-    _add_prompt_options(plan)
-    _add_model_options(plan)
-    plan.add_argument("--max-tokens", type=int, default=64)
+    _add_prompt_source(plan)
+    _add_model_option(plan)
     plan.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    option_table.add_arguments(plan)
+
+    from llm_operator.bench.catalog import catalog_text
 
     bench = commands.add_parser(
         "bench",
         help="measure every system side by side (or, with 'planner', the planner alone)",
-        description="Run the benchmark workloads through every system in one run and write "
+        # raw text (the formatter keeps these line breaks and the epilog's columns)
+        description="Run the benchmark workloads through every system in one run and write\n"
         "<out>/<name>.json, .md and .png. 'bench planner' times the prefix planner alone.",
+        epilog=catalog_text(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_argument(
         "target",
@@ -134,14 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt-tokens", type=int, default=500, help="planner: tokens per prompt")
 
     demo = commands.add_parser("demo", help="classify the bundled reviews and tickets with SmolLM2")
-    _add_model_options(demo)
+    _add_model_option(demo)
     demo.add_argument("--limit", type=int, help="only the first N rows")
     demo.add_argument("--output", type=Path, default=Path("demo-results/demo.jsonl"))
-    demo.add_argument("--max-batch-size", type=int, default=64)
     demo.add_argument(
         "--compare-static", action="store_true", help="also run plain HF generate on fixed batches"
     )
-    demo.add_argument("--no-progress", action="store_true")
     demo.add_argument(
         "--engine",
         default="spark",
@@ -154,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also run the rows through local, spark and dask side by side",
     )
+    option_table.add_arguments(demo, ["engine"])
     return parser
 
 
@@ -165,77 +145,40 @@ def _load_prompts(args) -> tuple[object, list]:
         if args.limit < 1:
             raise ValueError(f"--limit must be >= 1, got {args.limit}")
         table = table.slice(0, args.limit)
-    prompts = prompts_from_table(table, prompt_col=args.prompt_col, template=args.template)
-    if args.chat or args.system:
-        system = [{"role": "system", "content": args.system}] if args.system else []
-        prompts = [
-            None if p is None else [*system, {"role": "user", "content": p}] for p in prompts
-        ]
-    return table, prompts
+    return table, prompts_from_table(table, prompt_col=args.prompt_col, template=args.template)
 
 
 def command_run(args) -> int:
-    from llm_operator import LLMOperator, SamplingParams
+    from llm_operator.integrations.engines import generate
     from llm_operator.tables import add_result_columns, table_format, write_table
 
     table_format(args.output)  # fail on a bad output name before any work
-    sampling = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        stop=tuple(args.stop),
-        seed=args.seed,
-    )
+    options = option_table.from_arguments(args)
     table, prompts = _load_prompts(args)
-    engine_options = {
-        "device": args.device,
-        "dtype": args.dtype,
-        "max_batch_size": args.max_batch_size,
-        "kv_cache_memory": args.kv_cache_memory,
-        "trust_remote_code": args.trust_remote_code,
-    }
-    if args.engine != "local":
-        from llm_operator.integrations.engines import generate
-
-        options = {
-            k: getattr(sampling, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "seed")
-        }
-        results, seconds = generate(
-            prompts,
-            engine=args.engine,
-            model=args.model,
-            sampling={**options, "stop": list(sampling.stop)},
-            engine_options=engine_options,
-            partitions=args.partitions,
-        )
-        write_table(add_result_columns(table, results, args.output_col), args.output)
-        errors = sum(r.finish_reason == "error" for r in results)
-        print(
-            f"{len(results)} rows ({errors} errors) on {args.engine} in {seconds:.1f} s: "
-            f"{len(results) / seconds:.2f} rows/s; wrote {args.output}"
-        )
-        return 0
-    op = LLMOperator(
-        args.model, backend=args.backend, progress=not args.no_progress, **engine_options
+    results, seconds, stats = generate(
+        prompts, engine=args.engine, model=args.model, partitions=args.partitions, **options
     )
-    results = op.generate(prompts, sampling)
     write_table(add_result_columns(table, results, args.output_col), args.output)
-    stats = op.last_stats
-    print(
-        f"{stats.rows} rows ({stats.error_rows} errors) in {stats.seconds:.1f} s: "
-        f"{stats.rows_per_second:.2f} rows/s, {stats.output_tokens_per_second:.1f} output tokens/s, "
-        f"saving ratio {stats.saving_ratio:.1%}; wrote {args.output}"
-    )
+    errors = sum(r.finish_reason == "error" for r in results)
+    line = f"{len(results)} rows ({errors} errors) on {args.engine} in {seconds:.1f} s: "
+    line += f"{len(results) / seconds:.2f} rows/s"
+    if stats is not None:
+        line += (
+            f", {stats.output_tokens_per_second:.1f} output tokens/s, "
+            f"saving ratio {stats.saving_ratio:.1%}"
+        )
+    print(f"{line}; wrote {args.output}")
     return 0
 
 
 def command_plan(args) -> int:
     from llm_operator import LLMOperator, SamplingParams
+    from llm_operator.prompts import as_chat
 
+    chosen = option_table.split(option_table.from_arguments(args))
     _, prompts = _load_prompts(args)
-    op = LLMOperator(args.model, trust_remote_code=args.trust_remote_code)
-    plan = op.plan(prompts, SamplingParams(max_tokens=args.max_tokens))
+    op = LLMOperator(args.model, **chosen["engine"])
+    plan = op.plan(as_chat(prompts, **chosen["prompt"]), SamplingParams(**chosen["sampling"]))
     print(json.dumps(plan.stats.as_dict(), indent=2) if args.json else plan.report())
     return 0
 
@@ -279,12 +222,11 @@ def command_demo(args) -> int:
         model=args.model,
         limit=args.limit,
         output=args.output,
-        max_batch_size=args.max_batch_size,
         compare_static=args.compare_static,
-        progress=not args.no_progress,
         engine=args.engine,
         partitions=args.partitions,
         compare_engines=args.compare_engines,
+        options=option_table.from_arguments(args, ["engine"]),
     )
 
 

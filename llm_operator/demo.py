@@ -16,20 +16,21 @@ def run_demo(
     model: str,
     limit: int | None,
     output: Path,
-    max_batch_size: int,
     compare_static: bool = False,
-    progress: bool = True,
     engine: str = "local",
     partitions: int = 2,
     compare_engines: bool = False,
+    options: dict | None = None,
 ) -> int:
+    """options: engine options (``llm_operator.options``) for every engine the demo runs."""
     from llm_operator import LLMOperator, SamplingParams
     from llm_operator.demo_data import build_demo_rows, parse_label
 
     rows = build_demo_rows(limit=limit)
     print(f"demo: {len(rows)} rows over {len({r['task'] for r in rows})} tasks, model {model}")
     started = time.perf_counter()
-    op = LLMOperator(model, max_batch_size=max_batch_size, progress=progress)
+    options = dict(options or {})
+    op = LLMOperator(model, **options)
     sampling = SamplingParams(max_tokens=DEMO_MAX_TOKENS, stop=DEMO_STOP)
     prompts = [row["messages"] for row in rows]
     plan = op.plan(prompts, sampling)
@@ -39,7 +40,7 @@ def run_demo(
         print(f"model ready in {time.perf_counter() - started:.1f} s ({op.model.path})")
         results = op.generate(prompts, sampling)
     else:
-        results, seconds = _run_engine(engine, model, prompts, max_batch_size, partitions)
+        results, seconds = _run_engine(engine, model, prompts, options, partitions)
         print(
             f"{engine} (local mode, {partitions} partitions, model loads included): {seconds:.1f} s"
         )
@@ -94,31 +95,34 @@ def run_demo(
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
     print(f"wrote {output}")
     if compare_static:
-        _compare_static(op, op.backend(), prompts, results, sampling, max_batch_size)
+        _compare_static(op, op.backend(), prompts, results, sampling, op.config.max_batch_size)
     if compare_engines:
-        _compare_engines(model, prompts, max_batch_size, partitions)
+        _compare_engines(model, prompts, options, partitions)
     return 0
 
 
-def _run_engine(engine: str, model: str, prompts, max_batch_size: int, partitions: int):
+def _run_engine(engine: str, model: str, prompts, options: dict, partitions: int):
+    """(results, seconds) of the demo's rows on one engine."""
     from llm_operator.integrations.engines import generate
 
-    return generate(
+    results, seconds, _ = generate(
         prompts,
         engine=engine,
         model=model,
-        sampling={"max_tokens": DEMO_MAX_TOKENS, "stop": DEMO_STOP},
-        engine_options={"max_batch_size": max_batch_size},
         partitions=partitions,
+        max_tokens=DEMO_MAX_TOKENS,
+        stop=DEMO_STOP,
+        **options,
     )
+    return results, seconds
 
 
-def _compare_engines(model: str, prompts, max_batch_size: int, partitions: int) -> None:
+def _compare_engines(model: str, prompts, options: dict, partitions: int) -> None:
     """The same rows through LLMOperator directly, Spark local and Dask, side by side."""
     timings = {}
     texts = {}
     for engine in ("local", "spark", "dask"):
-        results, seconds = _run_engine(engine, model, prompts, max_batch_size, partitions)
+        results, seconds = _run_engine(engine, model, prompts, options, partitions)
         timings[engine] = seconds
         texts[engine] = [r.text for r in results]
     print(
@@ -136,7 +140,7 @@ def _compare_static(op, backend, prompts, results, sampling, batch_size: int) ->
     """Plain HF generate on fixed batches of the same size, same rows, side by side."""
     from llm_operator.bench.hf_static import run_hf_static
 
-    token_ids, _, errors, _ = op._prepare(prompts, sampling)
+    token_ids = op.prepare(prompts, sampling).token_ids
     valid = [i for i, ids in enumerate(token_ids) if ids is not None]
     static = run_hf_static(
         backend.model,

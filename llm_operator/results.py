@@ -24,6 +24,18 @@ class GenerationResult(NamedTuple):
     def failed(cls, message: str, prompt_tokens: int = 0) -> GenerationResult:
         return cls("", (), "error", prompt_tokens, 0, message)
 
+    @classmethod
+    def of(cls, output, prompt_tokens: int) -> GenerationResult:
+        """The row's result from its request's ``RequestOutput``."""
+        return cls(
+            output.text,
+            output.token_ids,
+            output.finish_reason,
+            prompt_tokens,
+            len(output.token_ids),
+            output.error,
+        )
+
 
 @dataclass
 class RunStats:
@@ -44,6 +56,24 @@ class RunStats:
     generate_seconds: float = 0.0
     seconds: float = 0.0
     backend: str = ""
+
+    @classmethod
+    def of(cls, plan_stats, outputs, results, **timings) -> RunStats:
+        """Counters of one call: the plan's statistics, the backend's counts, the rows."""
+        return cls(
+            rows=len(results),
+            error_rows=sum(1 for r in results if r.finish_reason == "error"),
+            requests=plan_stats.requests,
+            prompt_tokens=plan_stats.prompt_tokens,
+            unique_prompt_tokens=plan_stats.unique_tokens,
+            planned_prefill_tokens=plan_stats.prefill_tokens,
+            prefill_tokens_computed=outputs.prefill_tokens_computed,
+            output_tokens=outputs.output_tokens,
+            groups=plan_stats.groups,
+            saving_ratio=plan_stats.saving_ratio,
+            plan_seconds=plan_stats.seconds,
+            **timings,
+        )
 
     @property
     def rows_per_second(self) -> float:

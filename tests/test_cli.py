@@ -222,3 +222,18 @@ def test_run_on_spark_and_dask_equals_local(engine, tiny_llama_dir, reviews_csv,
     for key in ("out", "out_finish_reason", "out_completion_tokens", "out_error"):
         assert [r[key] for r in outputs[engine]] == [r[key] for r in outputs["local"]], key
     assert outputs[engine][2]["out_finish_reason"] == "error"
+
+
+def test_bench_help_lists_every_workload_and_system(capsys):
+    from llm_operator.bench.systems import SYSTEMS
+    from llm_operator.bench.workloads import WORKLOAD_NAMES
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    for name in [*WORKLOAD_NAMES, *SYSTEMS]:
+        # each name starts a line of its own, followed by its description
+        entry = [line for line in lines if line.split()[:1] == [name]]
+        assert len(entry) == 1, name
+        assert len(entry[0].split()) > 1, name

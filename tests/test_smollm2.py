@@ -44,7 +44,7 @@ def test_smollm2_matches_hf_generate():
         expected = model.generate(
             input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=8, do_sample=False
         )[0, len(ids) :].tolist()
-        eos = set(op.backend().eos_token_ids)
+        eos = set(op.model_info.eos_token_ids)
         cut = next((i + 1 for i, t in enumerate(expected) if t in eos), len(expected))
         assert list(result.token_ids) == expected[:cut]
         assert result.finish_reason in ("stop", "length") and result.text.strip()

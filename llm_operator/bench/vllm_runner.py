@@ -1,12 +1,15 @@
 """vLLM's offline engine as a benchmarked system: ``python -m llm_operator.bench.vllm_runner JOB RESULT``.
 
 Runs inside the vLLM venv (``make vllm-env``), so it imports only the standard library at
-the top and vLLM inside functions; it never needs pandas, pyarrow or the rest of
-llm_operator. ``bench.vllm_systems.run_vllm_job`` starts it.
+the top and, inside functions, vLLM and ``engine.vllm_driver`` (the engine arguments,
+start-up and sampling parameters the ``vllm`` backend uses too, with ``batch_job=False``:
+plain vLLM's block and batch sizes unless the job sets them); it never needs pandas or
+pyarrow. ``bench.vllm_systems.run_vllm_job`` starts it.
 
 JOB (JSON)::
 
-    {"model": "/hf/model/dir", "dtype": "float32", "prefix_caching": true,
+    {"model": "/hf/model/dir", "dtype": "float32",   # null: "auto" (float32 on CPU)
+     "prefix_caching": true,
      "prompts": [[token ids], ...],            # input order
      "max_tokens": [int per prompt],
      "runs": [{"name": "vllm", "order": [row indices in submission order],
@@ -169,69 +172,48 @@ def _check_model(job: dict[str, Any]) -> str:
 
 
 def _llm_kwargs(job: dict[str, Any], max_model_len: int) -> dict[str, Any]:
+    """The engine's ``vllm.LLM`` arguments: plain vLLM (``batch_job=False``: its own block
+    size, batch sizes) with the job's settings."""
+    from llm_operator.engine.vllm_driver import llm_kwargs
+
     model = _check_model(job)
-    kwargs: dict[str, Any] = dict(
-        model=model,
-        tokenizer=model,
-        dtype=job.get("dtype") or "auto",
-        enable_prefix_caching=bool(job.get("prefix_caching", True)),
-        max_model_len=max_model_len,
-        seed=0,
-        disable_log_stats=True,
-    )
+    options: dict[str, Any] = {"enable_prefix_caching": bool(job.get("prefix_caching", True))}
+    options.update({name: job[name] for name in LLM_OPTIONS if job.get(name) is not None})
     kv_cache_gib = job.get("kv_cache_gib")
-    if kv_cache_gib is not None:
-        # Works on every device; on CPU an already-set VLLM_CPU_KVCACHE_SPACE overrides it.
-        kwargs["kv_cache_memory_bytes"] = int(float(kv_cache_gib) * GIB)
-    for option in LLM_OPTIONS:
-        if job.get(option) is not None:
-            kwargs[option] = job[option]
-    return kwargs
-
-
-def _kv_cache_capacity(llm: Any) -> tuple[int | None, int | None]:
-    """(number of KV blocks, tokens per block) the engine allocated.
-
-    EngineCore writes the block count into its ``cache_config.num_gpu_blocks`` after
-    profiling (the name says gpu, the CPU backend uses it too); the multiprocessing client
-    copies it back into the front end's config from the engine core's handshake.
-    """
-    cache_config = llm.llm_engine.vllm_config.cache_config
-    blocks = getattr(cache_config, "num_gpu_blocks", None)
-    return (int(blocks) if blocks else None), int(cache_config.block_size)
+    return llm_kwargs(
+        model,
+        max_model_len=max_model_len,
+        dtype=job.get("dtype") or "auto",
+        kv_cache_bytes=None if kv_cache_gib is None else int(float(kv_cache_gib) * GIB),
+        batch_job=False,
+        options=options,
+    )
 
 
 def _generate(
     llm: Any, prompts: list[list[int]], max_tokens: list[int], *, ignore_eos: bool = False
 ) -> list[Any]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+    """Greedy completions in one ``LLM.generate`` call, in the order given."""
+    from llm_operator.engine.vllm_driver import sampling_params, tokens_prompt
+    from llm_operator.sampling import SamplingParams
 
-    requests = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts]
     params = [
-        SamplingParams(
-            max_tokens=int(m), temperature=0.0, top_p=1.0, top_k=0, ignore_eos=ignore_eos
-        )
+        sampling_params(SamplingParams(max_tokens=int(m), ignore_eos=ignore_eos))
         for m in max_tokens
     ]
-    outputs = llm.generate(requests, params, use_tqdm=False)
+    outputs = llm.generate([tokens_prompt(ids) for ids in prompts], params, use_tqdm=False)
     assert len(outputs) == len(prompts), f"{len(outputs)} outputs for {len(prompts)} prompts"
     return outputs
 
 
-def _reset_prefix_cache(llm: Any) -> None:
-    if not llm.reset_prefix_cache():
-        raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
-
-
-def _run_once(llm: Any, run: dict[str, Any], pids: list[int]) -> dict[str, Any]:
+def _run_once(engine: Any, run: dict[str, Any], pids: list[int]) -> dict[str, Any]:
     """One timed pass over the run's rows in its submission order, from a cold prefix cache."""
     order = run["order"]
-    _reset_prefix_cache(llm)
+    engine.reset_prefix_cache()
     reset_peak_rss(pids)
     started = time.perf_counter()
     outputs = _generate(
-        llm,
+        engine.llm,
         [run["prompts"][i] for i in order],
         [run["max_tokens"][i] for i in order],
         ignore_eos=run["ignore_eos"],
@@ -265,36 +247,35 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     )
 
     import vllm
-    from vllm import LLM
+
+    from llm_operator.engine.vllm_driver import start_engine
 
     kwargs = _llm_kwargs(job, int(max_model_len))
     log(f"starting vLLM {vllm.__version__}: {kwargs}")
-    started = time.perf_counter()
-    llm = LLM(**kwargs)
-    load_seconds = time.perf_counter() - started
-    blocks, block_size = _kv_cache_capacity(llm)
+    engine = start_engine(kwargs)
+    blocks, block_size = engine.kv_blocks, engine.block_size
     kv_cache_tokens = blocks * block_size if blocks is not None and block_size else None
     pids = _engine_pids()
     # The engine core runs here when the client is vLLM's InprocClient (what
     # VLLM_ENABLE_V1_MULTIPROCESSING=0 selects); child pids alone can be compile workers.
-    client = type(getattr(llm.llm_engine, "engine_core", None)).__name__
+    client = engine.engine_core_client
     in_process = client == "InprocClient" if client != "NoneType" else len(pids) == 1
     log(
-        f"load done in {load_seconds:.1f} s; KV cache {blocks} blocks x {block_size} tokens; "
-        f"engine core {'in this process' if in_process else f'in pids {pids[1:]}'}"
+        f"load done in {engine.load_seconds:.1f} s; KV cache {blocks} blocks x {block_size} "
+        f"tokens; engine core {'in this process' if in_process else f'in pids {pids[1:]}'}"
     )
 
     if job.get("warmup", True):
         first = runs[0]["prompts"][0][:WARMUP_PROMPT_TOKENS]
-        _generate(llm, [first], [WARMUP_MAX_TOKENS])
-        _reset_prefix_cache(llm)
+        _generate(engine.llm, [first], [WARMUP_MAX_TOKENS])
+        engine.reset_prefix_cache()
         log("warm-up done")
 
     results = []
     for run in runs:
         passes = []
         for k in range(repeat):
-            passes.append(_run_once(llm, run, pids))
+            passes.append(_run_once(engine, run, pids))
             log(f"run {run['name']} repeat {k + 1}/{repeat}: {passes[-1]['seconds']:.3f} s")
         first = passes[0]
         prompt_tokens = sum(len(ids) for ids in run["prompts"])
@@ -313,18 +294,17 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                 "peak_rss_bytes_per_repeat": [p["peak_rss_bytes"] for p in passes],
             }
         )
-    device = llm.llm_engine.vllm_config.device_config.device_type
     import torch
 
     return {
         "vllm_version": vllm.__version__,
-        "device": str(device),
-        "dtype": str(llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch."),
-        "load_seconds": load_seconds,
+        "device": engine.device,
+        "dtype": engine.dtype,
+        "load_seconds": engine.load_seconds,
         "kv_cache_blocks": blocks,
         "kv_cache_tokens": kv_cache_tokens,
         "block_size": block_size,
-        "max_model_len": int(llm.llm_engine.vllm_config.model_config.max_model_len),
+        "max_model_len": engine.max_model_len,
         "in_process_engine": in_process,
         "engine_core_client": client,
         "multiprocessing_env": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"),

@@ -114,13 +114,11 @@ class OperatorSystem:
     def __init__(self, model: str, options: dict[str, Any]) -> None:
         from llm_operator import LLMOperator
 
-        options = dict(options)
-        row_tokens = options.pop("max_row_tokens", None)  # vllm: size the engine up front
         self.operator = LLMOperator(model, **options)
         with _Timer() as timer:
             backend = self.operator.backend()
-            if row_tokens is not None and hasattr(backend, "engine"):
-                backend.engine(int(row_tokens))  # vLLM starts here, not in a timed run
+            if callable(getattr(backend, "engine", None)):
+                backend.engine()  # vLLM starts here, not in a timed run
         self.load_seconds = timer.seconds
         self.device = getattr(backend, "device", None)
         self.dtype = backend_dtype(backend)

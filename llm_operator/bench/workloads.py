@@ -31,6 +31,7 @@ __all__ = [
     "PRESETS",
     "SIZES",
     "WORKLOAD_NAMES",
+    "WORKLOAD_SUMMARIES",
     "Workload",
     "make_workload",
     "shared_first_order",
@@ -68,6 +69,18 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     },
 }  # fmt: skip
 WORKLOAD_NAMES = ("etl-fewshot", "doc-qa", "table-rows", "no-sharing", "long-answers")
+WORKLOAD_SUMMARIES = {
+    "etl-fewshot": "tasks x rows; each task's system prompt, instructions and few-shot turns "
+    "form one shared prefix (BatchLLM's shape)",
+    "doc-qa": "one system prompt for all, then documents asked several questions each "
+    "(two levels of sharing)",
+    "table-rows": "a product/review table rendered field by field; the field order decides "
+    "how much is shared",
+    "no-sharing": "plain-string prompts that share no leading tokens (a control)",
+    "long-answers": "doc-qa's shape with long documents and long answers: decode-heavy, "
+    "EOS ignored",
+}
+"""One line per workload, for ``llm-operator bench --help`` (the module doc has more)."""
 IGNORE_EOS_WORKLOADS = frozenset({"long-answers"})
 """Workloads whose rows decode exactly their max_tokens (every system runs with ignore_eos)."""
 SIZES = ("tiny", "quick", "default")

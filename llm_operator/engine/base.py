@@ -1,19 +1,13 @@
-"""What every backend takes and returns.
+"""What a run of a plan returns.
 
-A backend runs a planner ``Plan``: ``requests[i]`` of the plan gets
-``params[i]`` and ``generators[i]``; the backend returns one
-``RequestOutput`` per planned request, indexed by ``request_id``.
+One ``RequestOutput`` per planned request, indexed by ``request_id``; the ``Run`` of
+``engine.run`` collects them (the backends step, the run records).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol
-
-import torch
-
-from llm_operator.planner import Plan
-from llm_operator.sampling import SamplingParams
+from collections.abc import Callable
+from typing import NamedTuple
 
 
 class RequestOutput(NamedTuple):
@@ -31,16 +25,3 @@ class BackendResult(NamedTuple):
 
 # progress(finished_rows, new_output_tokens): rows are input rows (a merged request counts each)
 ProgressCallback = Callable[[int, int], None]
-
-
-class Backend(Protocol):
-    name: str
-    max_context: int
-
-    def run(
-        self,
-        plan: Plan,
-        params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
-        progress: ProgressCallback | None = None,
-    ) -> BackendResult: ...

@@ -1,6 +1,6 @@
 """The ``hf`` backend: any Hugging Face causal LM, BATON re-batching, shared prefixes.
 
-Each iteration (``step``):
+Each iteration (``_HFSteps.step``):
   1. admit: waiting requests fill free row slots (as many as ``max_batch_size``
      and the KV budget allow); each is prefilled separately from a copy of its
      shared prefix's K/V, then its K/V are written into a free row of the batch;
@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import inspect
 from collections import deque
-from collections.abc import Sequence
 
 import torch
 from transformers.cache_utils import DynamicCache
 
-from llm_operator.engine.base import BackendResult, ProgressCallback, RequestOutput
 from llm_operator.engine.batch_cache import GROWTH_COLUMNS, DenseBatchCache, layers_of
 from llm_operator.engine.prefix_store import PrefixStore
-from llm_operator.engine.stopping import RowDecoder
-from llm_operator.planner import Plan, PlannedRequest
-from llm_operator.sampling import SamplingParams, sample_next_tokens
+from llm_operator.engine.run import Request, Run
+from llm_operator.planner import PlannedRequest
 
 KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -49,8 +46,6 @@ class HFBackend:
         self.prefill_batch_tokens = prefill_batch_tokens
         self.kv_cache_bytes = kv_cache_bytes
         self.device = next(model.parameters()).device
-        self.max_context = model_context_length(model.config, tokenizer)
-        self.eos_token_ids = eos_token_ids(getattr(model, "generation_config", None), tokenizer)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         params = inspect.signature(model.forward).parameters
         self._cache_argument = "cache" if "cache" in params else "past_key_values"
@@ -81,80 +76,43 @@ class HFBackend:
         new_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
         return out.logits[:, -1, :], new_cache
 
-    # -- the run ---------------------------------------------------------
-    def run(
-        self,
-        plan: Plan,
-        params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
-        progress: ProgressCallback | None = None,
-    ) -> BackendResult:
-        run = _Run(self, plan, params, generators, progress)
-        return run.execute()
-
-
-def model_context_length(config, tokenizer) -> int:
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(text_config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    limit = getattr(tokenizer, "model_max_length", None)
-    if isinstance(limit, int) and 0 < limit < 10**7:
-        return limit
-    return 2048
-
-
-def eos_token_ids(generation_config, tokenizer) -> frozenset[int]:
-    """EOS ids of every backend: the generation config's (if any), else the tokenizer's."""
-    eos = getattr(generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return frozenset()
-    return frozenset([eos] if isinstance(eos, int) else eos)
+    # -- a run -----------------------------------------------------------
+    def start(self, run: Run) -> _HFSteps:
+        return _HFSteps(self, run)
 
 
 class _Row:
-    """A running request: its plan entry, decoder and the token to feed next."""
+    """A request in the batch: its state and the token to feed next."""
 
-    __slots__ = ("request", "decoder", "generator", "params", "pending_token")
+    __slots__ = ("request", "pending_token")
 
-    def __init__(
-        self, request: PlannedRequest, decoder: RowDecoder, params: SamplingParams, generator
-    ):
+    def __init__(self, request: Request) -> None:
         self.request = request
-        self.decoder = decoder
-        self.params = params
-        self.generator = generator
         self.pending_token = -1
 
 
-class _Run:
-    """State of one ``HFBackend.run``: the waiting queue, the batch, the prefix store."""
+class _HFSteps:
+    """One run on the hf backend: the waiting queue, the batch, the prefix store."""
 
-    def __init__(self, backend: HFBackend, plan: Plan, params, generators, progress) -> None:
+    def __init__(self, backend: HFBackend, run: Run) -> None:
         self.backend = backend
-        self.plan = plan
-        self.params = params
-        self.generators = generators
-        self.progress = progress
-        self.waiting: deque[PlannedRequest] = deque(plan.requests)
-        self.outputs: list[RequestOutput | None] = [None] * len(plan.requests)
+        self.run = run
+        self.waiting: deque[PlannedRequest] = deque(run.plan.requests)
         self.slots: list[_Row | None] = []
         self.batch: DenseBatchCache | None = None
-        self.prefixes = PrefixStore(backend, plan)
-        self.prefill_tokens = 0
-        self.output_tokens = 0
+        self.prefixes = PrefixStore(backend, run.plan)
 
-    def execute(self) -> BackendResult:
-        while self.waiting or any(self.slots):
-            self.admit()
-            if any(self.slots):
-                self.decode()
-        assert all(o is not None for o in self.outputs), "every request has an output"
-        self.prefill_tokens += self.prefixes.tokens_computed
-        return BackendResult(list(self.outputs), self.prefill_tokens, self.output_tokens)
+    def step(self) -> bool:
+        if not (self.waiting or any(self.slots)):
+            return False
+        self.admit()
+        if any(self.slots):
+            self.decode()
+        return True
+
+    def close(self) -> None:
+        self.run.prefill_tokens += self.prefixes.tokens_computed
+        self.slots, self.batch = [], None
 
     # -- admission -------------------------------------------------------
     def admit(self) -> None:
@@ -191,9 +149,10 @@ class _Run:
             len(r.suffix) for r in entering
         )
         time = max(self.batch.time if self.batch else 0, entering_time)
+        decoders = [row.request.decoder for row in active]
         remaining = max(
-            [row.decoder.max_tokens - len(row.decoder.token_ids) for row in active]
-            + [self.params[r.request_id].max_tokens for r in entering]
+            [d.max_tokens - len(d.token_ids) for d in decoders]
+            + [self.run.requests[r.request_id].params.max_tokens for r in entering]
         )
         columns = time + remaining + GROWTH_COLUMNS  # the buffer grows in steps of GROWTH_COLUMNS
         projected = rows * columns * self.prefixes.bytes_per_token()
@@ -238,7 +197,7 @@ class _Run:
         if suffix_time > 0:
             logits, cache = self.backend.forward(input_ids, mask, position_ids, layers)
             layers = layers_of(cache)
-            self.prefill_tokens += sum(len(r.suffix) for r in requests)
+            self.run.prefill_tokens += sum(len(r.suffix) for r in requests)
         else:
             logits = None
         first_logits = torch.stack(
@@ -249,10 +208,8 @@ class _Run:
         )
         for request in requests:
             self.prefixes.release(request)
-        new_rows = [self._start_row(r) for r in requests]
-        tokens = sample_next_tokens(
-            first_logits, [row.params for row in new_rows], [row.generator for row in new_rows]
-        )
+        new_rows = [_Row(self.run.requests[r.request_id]) for r in requests]
+        tokens = self.run.sample(first_logits, [r.request_id for r in requests])
         positions = torch.tensor([len(r.token_ids) for r in requests], dtype=torch.long)
         reused = free[:rows]  # BATON: freed rows of the running batch first
         del free[:rows]
@@ -265,22 +222,11 @@ class _Run:
         else:
             self.batch.write_rows(slots, layers, mask, positions)
         finished = []
-        for slot, row, token in zip(slots, new_rows, tokens.tolist()):
+        for slot, row, token in zip(slots, new_rows, tokens):
             self.slots[slot] = row
             if self._append_token(row, token):
                 finished.append(slot)
         self._retire(finished)
-
-    def _start_row(self, request: PlannedRequest) -> _Row:
-        params = self.params[request.request_id]
-        decoder = RowDecoder(
-            self.backend.tokenizer,
-            params,
-            self.backend.eos_token_ids,
-            len(request.token_ids),
-            self.backend.max_context,
-        )
-        return _Row(request, decoder, params, self.generators[request.request_id])
 
     # -- decoding --------------------------------------------------------
     def decode(self) -> None:
@@ -295,42 +241,30 @@ class _Run:
         cache, mask, positions = batch.prepare_decode()
         logits, _ = self.backend.forward(tokens.unsqueeze(1), mask, positions, cache)
         batch.finish_decode()
-        if self.progress is not None:
-            self.progress(0, sum(row is not None for row in self.slots))
         live = [i for i, row in enumerate(self.slots) if row is not None]
         index = torch.tensor(live, dtype=torch.long)
-        sampled = sample_next_tokens(
-            logits[index.to(logits.device)],
-            [self.slots[i].params for i in live],
-            [self.slots[i].generator for i in live],
+        sampled = self.run.sample(
+            logits[index.to(logits.device)], [self.slots[i].request.request_id for i in live]
         )
         finished = [
             slot
-            for slot, token in zip(live, sampled.tolist())
+            for slot, token in zip(live, sampled)
             if self._append_token(self.slots[slot], token)
         ]
         self._retire(finished)
 
     def _append_token(self, row: _Row, token: int) -> bool:
+        """Record the token (the run applies the stop rules); True when the row finished."""
         row.pending_token = token
-        self.output_tokens += 1
-        return row.decoder.append(token)
+        return self.run.append(row.request.request_id, token)
 
     def _retire(self, slots: list[int]) -> None:
+        """Free the slots of finished rows (their outputs are in the run already)."""
         if not slots:
             return
-        finished_rows = 0
         for slot in slots:
-            row = self.slots[slot]
-            decoder = row.decoder
-            self.outputs[row.request.request_id] = RequestOutput(
-                tuple(decoder.token_ids), decoder.final_text(), decoder.finish_reason
-            )
-            finished_rows += len(row.request.rows)
             self.slots[slot] = None
         self.batch.park_rows(slots)
-        if self.progress is not None:
-            self.progress(finished_rows, 0)
 
     def _compact(self) -> None:
         """With nothing to admit, drop parked rows once they are a quarter of the batch."""
@@ -345,10 +279,8 @@ class _Run:
         self.slots = [self.slots[i] for i in live]
 
     def _fail(self, request: PlannedRequest, message: str) -> None:
-        self.outputs[request.request_id] = RequestOutput((), "", "error", message)
-        self.prefixes.release(request, used=False)
-        if self.progress is not None:
-            self.progress(len(request.rows), 0)
+        self.run.fail(request.request_id, message)
+        self.prefixes.release(request)
 
 
 def _stack_prefixes(prefixes: list[KVLayers | None], prefix_time: int) -> KVLayers | None:

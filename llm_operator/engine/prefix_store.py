@@ -5,7 +5,8 @@ Contract:
       [1, kv_heads, prefix_length, head_dim], or None when it shares nothing;
       logits [vocab] of the prefix's last token, used when the suffix is empty)
   release(request) -> the request no longer needs its chain; a segment whose
-      every member has been released is freed (it is never evicted earlier).
+      every member has been released is freed (it is never evicted earlier): the
+      member counting is ``SegmentPins``, shared with the native backend.
 A segment's K/V are computed from its parent's (one forward pass over the
 segment's own tokens), so each shared token is prefilled exactly once.
 """
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from llm_operator.engine.batch_cache import layers_of
+from llm_operator.engine.segment_pins import SegmentPins
 from llm_operator.planner import Plan, PlannedRequest
 
 if TYPE_CHECKING:
@@ -36,12 +38,12 @@ def kv_bytes_per_token(model) -> int:
     return 2 * layers * kv_heads * head_dim * element
 
 
-class PrefixStore:
+class PrefixStore(SegmentPins):
     def __init__(self, backend: HFBackend, plan: Plan) -> None:
+        super().__init__(len(plan.segments), (r.chain for r in plan.requests))
         self.backend = backend
         self.plan = plan
         self.entries: dict[int, tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]] = {}
-        self.pending_members = {s.segment_id: s.num_requests for s in plan.segments}
         self.tokens_computed = 0
         self._bytes_per_token = kv_bytes_per_token(backend.model)
 
@@ -59,12 +61,9 @@ class PrefixStore:
             return None, None
         return self._segment(request.chain[-1])
 
-    def release(self, request: PlannedRequest, used: bool = True) -> None:
-        for segment_id in request.chain:
-            self.pending_members[segment_id] -= 1
-            assert self.pending_members[segment_id] >= 0, f"segment {segment_id} released too often"
-            if self.pending_members[segment_id] == 0:
-                self.entries.pop(segment_id, None)
+    def release(self, request: PlannedRequest) -> None:
+        for segment_id in self.member_done(request.chain):
+            self.entries.pop(segment_id, None)
 
     def _segment(self, segment_id: int):
         entry = self.entries.get(segment_id)

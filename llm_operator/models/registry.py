@@ -85,7 +85,8 @@ def locate_alias_file(alias: str) -> Path:
     if package_dir is None:
         raise ValueError(
             f"model={alias!r} needs the Python package {known.package!r}, which is not "
-            f"installed; install it with: {known.pip_command}"
+            f"installed (and no earlier conversion is in the cache); install it with: "
+            f"{known.pip_command}"
         )
     gguf_path = package_dir / known.file_name
     if not gguf_path.is_file():
@@ -94,6 +95,34 @@ def locate_alias_file(alias: str) -> Path:
             f"{known.file_name!r}; reinstall it with: {known.pip_command}"
         )
     return gguf_path
+
+
+def cached_alias_directory(alias: str, cache_root: Path) -> Path | None:
+    """A finished conversion of the alias's GGUF file in `cache_root`, found without its
+    package (the newest, if the package shipped several files over time); None if none."""
+    from llm_operator.models.gguf import CONVERTED_SUBDIR, is_complete_model_directory
+
+    stem = Path(KNOWN_MODELS[alias].file_name).stem
+    pattern = f"{stem}-{'?' * 16}"  # <gguf stem>-<16-hex-digit fingerprint>
+    found = [
+        entry
+        for entry in (cache_root / CONVERTED_SUBDIR).glob(pattern)
+        if entry.is_dir() and is_complete_model_directory(entry)
+    ]
+    return max(found, key=lambda entry: entry.stat().st_mtime) if found else None
+
+
+def _alias_directory(alias: str, cache_root: Path) -> Path:
+    """The converted directory of a known alias: converted (once) from its package's GGUF
+    file, or, when the package is not installed here (e.g. a second venv), an earlier
+    conversion in the cache."""
+    if find_package_dir(KNOWN_MODELS[alias].package) is None:
+        cached = cached_alias_directory(alias, cache_root)
+        if cached is not None:
+            return cached
+    from llm_operator.models.gguf import convert_gguf_cached
+
+    return convert_gguf_cached(locate_alias_file(alias), cache_root)
 
 
 def _looks_like_path(text: str) -> bool:
@@ -114,7 +143,8 @@ def resolve_model(
     """Turn `model=` into a local Hugging Face directory with safetensors weights.
 
     Aliases and `.gguf` files are converted on first use into `cache_dir`
-    (default `default_cache_dir()`); later calls find the converted directory.
+    (default `default_cache_dir()`); later calls find the converted directory, an
+    alias's even where its package is not installed.
     Raises FileNotFoundError for a missing path, ValueError for an unknown
     alias, a missing alias package (with the pip command), a directory without
     config.json or safetensors weights, pickle-only checkpoints, configs that
@@ -129,9 +159,7 @@ def resolve_model(
 
     alias = name.strip().lower()
     if isinstance(model, str) and alias in KNOWN_MODELS:
-        from llm_operator.models.gguf import convert_gguf_cached
-
-        directory = convert_gguf_cached(locate_alias_file(alias), cache_root)
+        directory = _alias_directory(alias, cache_root)
         validate_model_directory(directory, trust_remote_code=trust_remote_code)
         return ResolvedModel(path=directory, name=name, source="alias")
 

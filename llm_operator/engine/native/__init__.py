@@ -1,4 +1,6 @@
-"""Native engine: paged-KV block manager, BatchLLM scheduler and (elsewhere) the model runner.
+"""Native engine: the paged-KV block manager, the BatchLLM scheduler, prefix pins, sequences
+and the backend that steps them over our Llama-family forward (``backend.NativeBackend``).
 
-The block manager and the scheduler are pure Python: they import neither torch nor CUDA.
+The block manager, scheduler, pins and sequences are pure Python: they import neither torch
+nor CUDA.
 """

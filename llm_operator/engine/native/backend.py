@@ -1,31 +1,30 @@
 """The ``native`` backend: our Llama-family forward over a paged KV cache (BatchLLM).
 
-One iteration (``_step``) is three calls, nano-vllm style:
+One iteration (``_NativeSteps.step``) is three calls, nano-vllm style:
   1. ``scheduler.schedule()``: every running decode, then prefill chunks in plan order,
      within the token budget (memory-centric token batching, BATON-style insertion);
   2. ``model(...)``: one token-packed forward over all chunks; per layer the attention
      stores the new K/V and merges, by log-sum-exp, each row's attention over its own K/V
      (causal) with one batched call per shared segment over all rows that read it;
-  3. sample the rows that reached their last token, then ``finish`` or ``append_token``.
+  3. sample the rows that reached their last token (``Run.sample``), hand each token to the
+     run (``Run.append`` applies the stop rules), then ``finish`` or ``append_token``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from llm_operator import kernels
-from llm_operator.engine.base import BackendResult, ProgressCallback, RequestOutput
 from llm_operator.engine.native.block_manager import BlockManager
 from llm_operator.engine.native.scheduler import ScheduledChunk, Scheduler
-from llm_operator.engine.stopping import RowDecoder
+from llm_operator.engine.run import Run
 from llm_operator.models.gemm import DEFAULT_GEMM
 from llm_operator.models.llama import LlamaModel
+from llm_operator.options import BY_NAME
 from llm_operator.planner import Plan
-from llm_operator.sampling import SamplingParams, sample_next_tokens
 
 
 class NativeBackend:
@@ -36,14 +35,11 @@ class NativeBackend:
     def __init__(
         self,
         model: LlamaModel,
-        tokenizer,
         *,
         kv_cache_bytes: int,
-        eos_token_ids: frozenset[int],
-        max_context: int,
-        block_size: int = 16,
-        max_batched_tokens: int = 1024,
-        max_running: int = 256,
+        block_size: int = BY_NAME["kv_block_size"].default,
+        max_batched_tokens: int = BY_NAME["prefill_batch_tokens"].default,
+        max_running: int = BY_NAME["max_batch_size"].default,
         decode_reserve: float = 0.5,
         share_prefixes: bool = True,
         token_batching: bool = True,
@@ -51,13 +47,10 @@ class NativeBackend:
         if block_size < 1 or max_batched_tokens < 1:
             raise ValueError("block_size and max_batched_tokens must be >= 1")
         self.model = model
-        self.tokenizer = tokenizer
         self.config = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.kv_cache_bytes = kv_cache_bytes
-        self.eos_token_ids = eos_token_ids
-        self.max_context = max_context
         self.block_size = block_size
         self.max_batched_tokens = max_batched_tokens
         self.max_running = max_running
@@ -98,102 +91,9 @@ class NativeBackend:
         block-table batch per chain level."""
         return kernels.implementation(torch.empty(0, device=self.device)) == "torch"
 
-    # -- run ---------------------------------------------------------------------------
-    @torch.inference_mode()
-    def run(
-        self,
-        plan: Plan,
-        params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
-        progress: ProgressCallback | None = None,
-    ) -> BackendResult:
-        num_blocks = self._num_blocks(plan)
-        self._chains_in_one_part = self._chain_batches()
-        shape = (num_blocks, self.block_size, self.config.num_kv_heads, self.config.head_dim)
-        self.k_cache = [
-            torch.empty(shape, dtype=self.dtype, device=self.device)
-            for _ in range(self.config.num_layers)
-        ]
-        self.v_cache = [torch.empty_like(k) for k in self.k_cache]
-        scheduler = Scheduler(
-            plan,
-            BlockManager(num_blocks, self.block_size),
-            max_batched_tokens=self.max_batched_tokens,
-            max_running=self.max_running,
-            decode_reserve=self.decode_reserve,
-            share_prefixes=self.share_prefixes,
-            token_batching=self.token_batching,
-        )
-        decoders = [
-            RowDecoder(self.tokenizer, p, self.eos_token_ids, len(r.token_ids), self.max_context)
-            for r, p in zip(plan.requests, params)
-        ]
-        outputs: list[RequestOutput | None] = [None] * len(plan.requests)
-        reported = 0
-        self.last_profile = {
-            "schedule": 0.0, "forward": 0.0, "sample": 0.0, "iterations": 0, "steps": []
-        }  # fmt: skip
-        try:
-            while not scheduler.done:
-                self._step(scheduler, plan, params, generators, decoders, outputs, progress)
-                for request_id, message in scheduler.rejected[reported:]:
-                    outputs[request_id] = RequestOutput((), "", "error", message)
-                    if progress is not None:
-                        progress(len(plan.requests[request_id].rows), 0)
-                reported = len(scheduler.rejected)
-        finally:
-            self.k_cache = self.v_cache = []  # the pool lives for one run
-        self.last_profile.update(
-            preemptions=scheduler.stats.preemptions,
-            segment_evictions=scheduler.stats.segment_evictions,
-            max_running=scheduler.stats.max_running,
-            num_blocks=num_blocks,
-        )
-        assert all(o is not None for o in outputs), "every request has an output"
-        return BackendResult(
-            outputs,
-            scheduler.stats.prefill_tokens,
-            sum(len(o.token_ids) for o in outputs),
-        )
-
-    def _step(self, scheduler, plan, params, generators, decoders, outputs, progress) -> None:
-        started = step_started = time.perf_counter()
-        chunks = scheduler.schedule()
-        batch = self._batch(chunks, scheduler)
-        profile = self.last_profile
-        profile["schedule"] += time.perf_counter() - started
-        started = time.perf_counter()
-        hidden = self.model(batch["input_ids"], batch["positions"], batch["attention"])
-        sampled = [c for c in chunks if c.sample]
-        if sampled:
-            logits = self.model.compute_logits(hidden[batch["last_rows"]])
-        profile["forward"] += time.perf_counter() - started
-        started = time.perf_counter()
-        scheduler.complete(chunks)
-        if sampled:
-            ids = [c.seq.ref for c in sampled]
-            tokens = sample_next_tokens(
-                logits, [params[i] for i in ids], [generators[i] for i in ids]
-            ).tolist()
-            for chunk, request_id, token in zip(sampled, ids, tokens):
-                decoder = decoders[request_id]
-                if decoder.append(token):
-                    scheduler.finish(chunk.seq)
-                    outputs[request_id] = RequestOutput(
-                        tuple(decoder.token_ids), decoder.final_text(), decoder.finish_reason
-                    )
-                    if progress is not None:
-                        progress(len(plan.requests[request_id].rows), 1)
-                else:
-                    scheduler.append_token(chunk.seq, token)
-                    if progress is not None:
-                        progress(0, 1)
-        profile["sample"] += time.perf_counter() - started
-        profile["iterations"] += 1
-        # (tokens, rows sampled, seconds) of this iteration: decode-only when they are equal
-        profile["steps"].append(
-            (int(batch["input_ids"].shape[0]), len(sampled), time.perf_counter() - step_started)
-        )
+    # -- a run -----------------------------------------------------------------------
+    def start(self, run: Run) -> _NativeSteps:
+        return _NativeSteps(self, run)
 
     # -- one iteration's tensors -------------------------------------------------------
     def _batch(self, chunks: list[ScheduledChunk], scheduler: Scheduler) -> dict:
@@ -276,3 +176,80 @@ class NativeBackend:
             "attention": attention,
             "last_rows": torch.tensor(last_rows, dtype=torch.int64, device=device),
         }
+
+
+class _NativeSteps:
+    """One run on the native backend: its KV pool (it lives for the run) and scheduler."""
+
+    @torch.inference_mode()
+    def __init__(self, backend: NativeBackend, run: Run) -> None:
+        self.backend, self.run = backend, run
+        plan, config = run.plan, backend.config
+        num_blocks = backend._num_blocks(plan)
+        backend._chains_in_one_part = backend._chain_batches()
+        shape = (num_blocks, backend.block_size, config.num_kv_heads, config.head_dim)
+        backend.k_cache = [
+            torch.empty(shape, dtype=backend.dtype, device=backend.device)
+            for _ in range(config.num_layers)
+        ]
+        backend.v_cache = [torch.empty_like(k) for k in backend.k_cache]
+        self.scheduler = Scheduler(
+            plan,
+            BlockManager(num_blocks, backend.block_size),
+            max_batched_tokens=backend.max_batched_tokens,
+            max_running=backend.max_running,
+            decode_reserve=backend.decode_reserve,
+            share_prefixes=backend.share_prefixes,
+            token_batching=backend.token_batching,
+        )
+        self.reported = 0  # scheduler.rejected already failed in the run
+        backend.last_profile = {
+            "schedule": 0.0, "forward": 0.0, "sample": 0.0, "iterations": 0, "steps": [],
+            "num_blocks": num_blocks,
+        }  # fmt: skip
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        scheduler, run, backend = self.scheduler, self.run, self.backend
+        if scheduler.done:
+            return False
+        profile = backend.last_profile
+        started = step_started = time.perf_counter()
+        chunks = scheduler.schedule()
+        batch = backend._batch(chunks, scheduler)
+        profile["schedule"] += time.perf_counter() - started
+        started = time.perf_counter()
+        hidden = backend.model(batch["input_ids"], batch["positions"], batch["attention"])
+        sampled = [c for c in chunks if c.sample]
+        if sampled:
+            logits = backend.model.compute_logits(hidden[batch["last_rows"]])
+        profile["forward"] += time.perf_counter() - started
+        started = time.perf_counter()
+        scheduler.complete(chunks)
+        if sampled:
+            ids = [c.seq.ref for c in sampled]
+            for chunk, request_id, token in zip(sampled, ids, run.sample(logits, ids)):
+                if run.append(request_id, token):
+                    scheduler.finish(chunk.seq)
+                else:
+                    scheduler.append_token(chunk.seq, token)
+        for request_id, message in scheduler.rejected[self.reported :]:
+            run.fail(request_id, message)
+        self.reported = len(scheduler.rejected)
+        run.prefill_tokens = scheduler.stats.prefill_tokens
+        profile["sample"] += time.perf_counter() - started
+        profile["iterations"] += 1
+        # (tokens, rows sampled, seconds) of this iteration: decode-only when they are equal
+        profile["steps"].append(
+            (int(batch["input_ids"].shape[0]), len(sampled), time.perf_counter() - step_started)
+        )
+        return True
+
+    def close(self) -> None:
+        stats = self.scheduler.stats
+        self.backend.k_cache = self.backend.v_cache = []  # the pool lives for one run
+        self.backend.last_profile.update(
+            preemptions=stats.preemptions,
+            segment_evictions=stats.segment_evictions,
+            max_running=stats.max_running,
+        )

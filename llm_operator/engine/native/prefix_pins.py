@@ -13,16 +13,17 @@ from collections.abc import Sequence as Chain
 
 from llm_operator.engine.native.block_manager import BlockManager
 from llm_operator.engine.native.sequence import FINISHED, READY, RUNNING, Sequence
+from llm_operator.engine.segment_pins import SegmentPins
 from llm_operator.planner.plan import Plan
 
 
-class PrefixPins:
+class PrefixPins(SegmentPins):
     """Pinned segment sequences and the count of members each still has to serve.
 
     Contract:
-      - ``pending`` starts at the number of request chains (as the scheduler runs them) that
-        hold the segment and only falls, through ``member_done``; at 0 the segment is released
-        at once: its blocks go back to the pool.
+      - ``pending`` (``SegmentPins``) starts at the number of request chains (as the scheduler
+        runs them) that hold the segment; at 0 the segment is released at once: its blocks
+        go back to the pool.
       - ``pin`` records the sequence of an unpinned segment whose blocks were just allocated;
         its ancestors are pinned already (they have at least as many pending members).
       - a READY segment keeps its blocks until released; the only other way out is ``evict``,
@@ -30,12 +31,9 @@ class PrefixPins:
     """
 
     def __init__(self, plan: Plan, blocks: BlockManager, chains: Chain[tuple[int, ...]]) -> None:
+        super().__init__(len(plan.segments), chains)
         self.plan, self.blocks = plan, blocks
         self.need = [blocks.blocks_for(len(segment.token_ids)) for segment in plan.segments]
-        self.pending = [0] * len(plan.segments)
-        for chain in chains:
-            for segment_id in chain:
-                self.pending[segment_id] += 1
         self.live: list[Sequence | None] = [None] * len(plan.segments)
 
     def chain_blocks(self, chain: tuple[int, ...], *, missing_only: bool = False) -> int:
@@ -69,11 +67,9 @@ class PrefixPins:
     def member_done(self, chain: tuple[int, ...]) -> list[Sequence]:
         """A member finished or was rejected; returns released segments that were RUNNING."""
         released = []
-        for segment_id in chain:
-            self.pending[segment_id] -= 1
-            assert self.pending[segment_id] >= 0, f"segment {segment_id} released twice"
+        for segment_id in super().member_done(chain):
             segment_seq = self.live[segment_id]
-            if self.pending[segment_id] == 0 and segment_seq is not None:
+            if segment_seq is not None:
                 if segment_seq.status == RUNNING:
                     released.append(segment_seq)
                 self._release(segment_id)

@@ -65,6 +65,7 @@ from llm_operator.engine.native.sequence import (
     ScheduledChunk,
     Sequence,
 )
+from llm_operator.options import BY_NAME
 from llm_operator.planner.plan import Plan
 
 __all__ = ["Scheduler", "SchedulerStats", "ScheduledChunk", "Sequence"]
@@ -90,8 +91,8 @@ class Scheduler:
         plan: Plan,
         blocks: BlockManager,
         *,
-        max_batched_tokens: int = 2048,
-        max_running: int = 256,
+        max_batched_tokens: int = BY_NAME["prefill_batch_tokens"].default,
+        max_running: int = BY_NAME["max_batch_size"].default,
         decode_reserve: float = 0.5,
         share_prefixes: bool = True,
         token_batching: bool = True,

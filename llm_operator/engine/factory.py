@@ -1,0 +1,112 @@
+"""Backend construction: which backend runs a model, and building it from an EngineConfig."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from llm_operator.config import EngineConfig, physical_memory_bytes
+from llm_operator.models.info import ModelInfo
+
+
+def choose_backend(config: EngineConfig, info: ModelInfo) -> str:
+    """``auto`` picks ``native`` for the architectures the native engine supports (Llama,
+    Qwen2, Qwen3, Mistral; no sliding window shorter than the context), else ``hf``."""
+    if config.backend != "auto":
+        return config.backend
+    return "native" if info.native_unsupported is None else "hf"
+
+
+def build_backend(config: EngineConfig, info: ModelInfo, tokenizer):
+    """The backend ``choose_backend`` names, its model loaded."""
+    name = choose_backend(config, info)
+    if name != "native" and not config.token_batching:
+        raise ValueError(
+            "token_batching=False is an ablation of the native backend; the "
+            f"{name} backend (chosen here: backend={config.backend!r}) always re-batches"
+        )
+    if name == "vllm":
+        from llm_operator.engine.vllm_backend import VLLMBackend
+
+        return VLLMBackend(
+            str(info.path),
+            tokenizer,
+            max_context=info.max_context,
+            dtype=config.dtype,
+            kv_cache_bytes=config.kv_cache_bytes,
+            max_batch_size=config.max_batch_size,
+            trust_remote_code=config.trust_remote_code,
+            options=dict(config.vllm_options),
+        )
+    from llm_operator.models import resolve_device, resolve_dtype
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    kv_cache_bytes = config.kv_cache_bytes or auto_kv_cache_bytes(device)
+    if name == "native":
+        return _native(config, info, tokenizer, device, dtype, kv_cache_bytes)
+    from llm_operator.engine.hf import HFBackend
+    from llm_operator.models import load_causal_lm
+
+    with _transformers_progress_bars(config.progress):
+        model = load_causal_lm(
+            info.path, device=device, dtype=dtype, trust_remote_code=config.trust_remote_code
+        )
+    return HFBackend(
+        model,
+        tokenizer,
+        max_batch_size=config.max_batch_size,
+        prefill_batch_tokens=config.prefill_batch_tokens,
+        kv_cache_bytes=kv_cache_bytes,
+    )
+
+
+def _native(config: EngineConfig, info: ModelInfo, tokenizer, device, dtype, kv_cache_bytes):
+    from llm_operator import kernels
+    from llm_operator.engine.native.backend import NativeBackend
+    from llm_operator.models.llama import LlamaModel
+
+    if info.native_unsupported is not None:
+        raise ValueError(info.native_unsupported)
+    model = LlamaModel.from_pretrained(info.path, device=device, dtype=dtype)
+    heads = model.config  # on CUDA: self-check the Triton kernels (torch path on failure)
+    kernels.ensure_checked(
+        device,
+        dtype,
+        num_heads=heads.num_heads,
+        num_kv_heads=heads.num_kv_heads,
+        head_dim=heads.head_dim,
+    )
+    return NativeBackend(
+        model,
+        kv_cache_bytes=kv_cache_bytes,
+        block_size=config.kv_block_size,
+        max_batched_tokens=config.prefill_batch_tokens,
+        max_running=config.max_batch_size,
+        share_prefixes=config.share_prefixes,
+        token_batching=config.token_batching,
+    )
+
+
+def auto_kv_cache_bytes(device: torch.device) -> int:
+    """A quarter of RAM on CPU (at most 8 GiB); 80% of free memory on CUDA."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.8)
+    return min(physical_memory_bytes() // 4, 8 * 2**30)
+
+
+@contextlib.contextmanager
+def _transformers_progress_bars(enabled: bool):
+    """transformers' own bars (e.g. "Loading weights") follow the operator's progress option."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if not enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()

@@ -1,0 +1,76 @@
+"""What the engine needs to know about a model, read once from its configs.
+
+``ModelInfo``: the context length, the EOS ids that end a row, and whether the native
+engine can run the architecture. Every backend and the prompt checks take these from
+here instead of reading the configs again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+DEFAULT_CONTEXT = 2048  # when neither the config nor the tokenizer says
+
+
+class ModelInfo(NamedTuple):
+    path: Path
+    config: Any  # transformers PretrainedConfig
+    max_context: int  # tokens a row may span: prompt + generated
+    eos_token_ids: frozenset[int]
+    native_unsupported: str | None  # why backend="native" cannot run it (None: it can)
+
+
+def read_model_info(path: Path, tokenizer, *, trust_remote_code: bool = False) -> ModelInfo:
+    from transformers import AutoConfig
+
+    from llm_operator.models.llama import load_generation_config
+
+    config = AutoConfig.from_pretrained(
+        path, trust_remote_code=trust_remote_code, local_files_only=True
+    )
+    max_context = model_context_length(config, tokenizer)
+    return ModelInfo(
+        Path(path),
+        config,
+        max_context,
+        eos_token_ids(load_generation_config(path), tokenizer),
+        _native_unsupported(config, max_context),
+    )
+
+
+def model_context_length(config, tokenizer) -> int:
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(text_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(limit, int) and 0 < limit < 10**7:
+        return limit
+    return DEFAULT_CONTEXT
+
+
+def eos_token_ids(generation_config, tokenizer) -> frozenset[int]:
+    """EOS ids of every backend: the generation config's (if any), else the tokenizer's."""
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+def _native_unsupported(config, max_context: int) -> str | None:
+    from llm_operator.models.llama import native_config
+
+    try:
+        native = native_config(config)
+    except ValueError as error:
+        return str(error)
+    if native.sliding_window is not None and native.sliding_window < max_context:
+        return (
+            f"backend='native' does not run sliding-window attention (window "
+            f"{native.sliding_window} < context {max_context}); use backend='hf'"
+        )
+    return None

@@ -1,0 +1,218 @@
+"""One options table: every option reaches every entry point, with one default."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import fields
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from llm_operator import EngineConfig, LLMOperator, SamplingParams
+from llm_operator import options as option_table
+from llm_operator.cli import build_parser, main
+from llm_operator.integrations import _partition
+
+# A value other than the default for every option; a new option must add one here.
+PROBES = {
+    "backend": "native",
+    "device": "cpu",
+    "dtype": "float32",
+    "kv_cache_memory": "96MiB",
+    "max_batch_size": 7,
+    "prefill_batch_tokens": 333,
+    "kv_block_size": 8,
+    "min_shared_tokens": 5,
+    "share_prefixes": False,
+    "decode_first": False,
+    "token_batching": False,
+    "trust_remote_code": True,
+    "progress": True,
+    "cache_dir": "/tmp/llm-operator-probe-cache",
+    "vllm_options": {"enforce_eager": True, "max_num_seqs": 3},
+    "max_tokens": 3,
+    "temperature": 0.5,
+    "top_p": 0.9,
+    "top_k": 5,
+    "stop": ("zz",),
+    "seed": 11,
+    "ignore_eos": True,
+    "chat": True,
+    "system": "Be brief.",
+}
+
+
+def test_every_option_has_a_probe_value_other_than_its_default() -> None:
+    assert set(PROBES) == set(option_table.BY_NAME)
+    for name, value in PROBES.items():
+        assert value != option_table.BY_NAME[name].default, name
+
+
+def test_the_table_builds_the_config_the_sampling_parameters_and_the_signatures() -> None:
+    engine = option_table.scope("engine")
+    sampling = option_table.scope("sampling")
+    assert [f.name for f in fields(EngineConfig)] == [o.name for o in engine]
+    assert [f.name for f in fields(SamplingParams)] == [o.name for o in sampling]
+    assert EngineConfig() == EngineConfig(**{o.name: o.default for o in engine})
+    assert SamplingParams() == SamplingParams(**{o.name: o.default for o in sampling})
+    operator = inspect.signature(LLMOperator)
+    for option in engine:
+        assert operator.parameters[option.name].default == option.default, option.name
+    from llm_operator.integrations import dask, spark
+
+    for infer in (spark.llm_infer, dask.llm_infer):
+        parameters = inspect.signature(infer).parameters
+        for option in option_table.OPTIONS:
+            assert parameters[option.name].default == option.default, (infer, option.name)
+    # every option is on the command line of run and plan, with the table's default
+    for command in ("run", "plan"):
+        args = build_parser().parse_args([command, "in.csv", "--prompt-col", "p", "--output", "o"]
+                                         if command == "run" else [command, "in.csv",
+                                                                   "--prompt-col", "p"])  # fmt: skip
+        chosen = option_table.from_arguments(args)
+        assert chosen == {"progress": True}  # the only CLI default of its own: a bar on a terminal
+
+
+@pytest.mark.parametrize("bad", [{"max_batch_size": 0}, {"top_p": 2.0}, {"backend": "gpu"}])
+def test_a_bad_value_is_refused_by_every_entry_point(bad) -> None:
+    from llm_operator.integrations import dask, spark
+
+    (name,) = bad
+    for call in (
+        lambda: _partition.make_options(model="m", **bad),
+        lambda: spark.llm_infer("prompt", model="m", **bad),
+        lambda: dask.llm_infer(_dask_frame(), "prompt", model="m", **bad),
+    ):
+        with pytest.raises((ValueError, TypeError), match=name):
+            call()
+
+
+def test_an_unknown_option_is_refused_naming_it() -> None:
+    with pytest.raises(TypeError, match="max_batch"):
+        _partition.make_options(model="m", max_batch=3)
+    with pytest.raises(TypeError, match="max_batch"):
+        LLMOperator("no-such-model", max_batch=3)
+
+
+def test_every_option_reaches_the_worker_operator(tiny_llama_dir) -> None:
+    """InferOptions -> the worker's LLMOperator (get_operator) and its sampling."""
+    options = _partition.make_options(model=str(tiny_llama_dir), **PROBES)
+    expected = _expected(tiny_llama_dir)
+    assert options == expected
+    operator = _partition.get_operator(options)
+    for option in option_table.scope("engine"):
+        assert getattr(operator.config, option.name) == getattr(expected.engine, option.name)
+    assert options.prompts(["hi"]) == [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    ]
+
+
+def _expected(model: Path) -> _partition.InferOptions:
+    scoped = option_table.split(PROBES)
+    return _partition.InferOptions(
+        model=str(model),
+        engine=EngineConfig(**scoped["engine"]),
+        sampling=SamplingParams(**scoped["sampling"]),
+        chat=True,
+        system="Be brief.",
+    )
+
+
+class _Captured(Exception):
+    """Raised by the spy once the entry point under test has built its options."""
+
+
+def _spy(monkeypatch, after_calls: int) -> list:
+    """Record every make_options result; stop the job at call number ``after_calls``."""
+    seen: list = []
+    real = _partition.make_options
+
+    def spy(**kwargs):
+        seen.append(real(**kwargs))
+        if len(seen) >= after_calls:
+            raise _Captured()
+        return seen[-1]
+
+    from llm_operator.integrations import dask, spark
+
+    for module in (_partition, spark, dask):
+        monkeypatch.setattr(module, "make_options", spy)
+    return seen
+
+
+def _dask_frame():
+    import dask.dataframe as dd
+    import pandas as pd
+
+    return dd.from_pandas(pd.DataFrame({"prompt": ["a", "b"]}), npartitions=1)
+
+
+def test_spark_and_dask_llm_infer_take_every_option(monkeypatch, tiny_llama_dir, spark) -> None:
+    from llm_operator.integrations import dask, spark
+
+    seen = _spy(monkeypatch, after_calls=99)
+    spark.llm_infer("prompt", model=str(tiny_llama_dir), **PROBES)
+    dask.llm_infer(_dask_frame(), "prompt", model=str(tiny_llama_dir), **PROBES)
+    # the older spelling: engine options as one mapping
+    engine = {k: v for k, v in PROBES.items() if k in option_table.defaults("engine")}
+    rest = {k: v for k, v in PROBES.items() if k not in engine}
+    spark.llm_infer("prompt", model=str(tiny_llama_dir), engine_options=engine, **rest)
+    assert seen == [_expected(tiny_llama_dir)] * 3
+
+
+def _cli_arguments(probes: dict) -> list[str]:
+    """PROBES as command-line flags, built from the table's own spellings."""
+    argv: list[str] = []
+    for name, value in probes.items():
+        option = option_table.BY_NAME[name]
+        if option.cli == "flag":
+            argv.append(option.flag if value else "--no-" + option.flag[2:])
+        elif option.cli == "append":
+            for item in value:
+                argv += [option.flag, item]
+        elif option.cli == "items":
+            for key, item in value.items():
+                argv += [option.flag.removesuffix("s"), f"{key}={str(item).lower()}"]
+        else:
+            argv += [option.flag, str(value)]
+    return argv
+
+
+@pytest.mark.parametrize("engine", ["local", "spark", "dask"])
+def test_the_cli_passes_every_option_to_every_engine(
+    engine, monkeypatch, tiny_llama_dir, tmp_path, request
+) -> None:
+    """The CLI's options reach the engine's own llm_infer (spark, dask) or the operator
+    (local): `--engine spark --backend hf` once lost --backend."""
+    if engine == "spark":
+        request.getfixturevalue("spark")  # the shared local session (getOrCreate reuses it)
+    table = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"p": ["one prompt", "another prompt"]}), table)
+    # local: engines.generate checks them, then builds the operator; spark/dask: the
+    # engine's llm_infer checks them again on the way to the workers
+    seen = _spy(monkeypatch, after_calls=1 if engine == "local" else 2)
+    argv = ["run", str(table), "--prompt-col", "p", "--output", str(tmp_path / "o.parquet")]
+    argv += ["--engine", engine, "--model", str(tiny_llama_dir), *_cli_arguments(PROBES)]
+    with pytest.raises(_Captured):
+        main(argv)
+    assert seen[-1] == _expected(tiny_llama_dir)
+    assert len(seen) == (1 if engine == "local" else 2)
+
+
+def test_the_cli_plan_uses_the_engine_and_prompt_options(tiny_llama_dir, tmp_path, capsys) -> None:
+    table = tmp_path / "in.parquet"
+    shared = "A long shared instruction that every row repeats before its own text: "
+    pq.write_table(pa.table({"p": [shared + "one", shared + "two"]}), table)
+    base = ["plan", str(table), "--prompt-col", "p", "--model", str(tiny_llama_dir), "--json"]
+    import json
+
+    assert main(base) == 0
+    sharing = json.loads(capsys.readouterr().out)
+    assert main([*base, "--no-share-prefixes"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert main([*base, "--system", "Be brief."]) == 0
+    chat = json.loads(capsys.readouterr().out)
+    assert sharing["prefill_tokens"] < alone["prefill_tokens"] == alone["prompt_tokens"]
+    assert chat["prompt_tokens"] > sharing["prompt_tokens"]  # the system message was added
