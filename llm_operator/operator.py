@@ -52,6 +52,7 @@ class LLMOperator:
         self.max_context = self.model_info.max_context
         self.last_stats = RunStats()
         self._backend: Backend | None = None
+        self._constraints = None
 
     @property
     def backend_name(self) -> str:
@@ -69,6 +70,19 @@ class LLMOperator:
         return self._backend
 
     # -- public ----------------------------------------------------------
+    def constraints(self):
+        """Compiles choices, regex and JSON schema constraints for this model (cached)."""
+        if self._constraints is None:
+            from llm_operator.constraints import Constraints
+
+            config = self.model_config
+            text = config.get_text_config() if hasattr(config, "get_text_config") else config
+            vocab_size = getattr(text, "vocab_size", None) or len(self.tokenizer)
+            self._constraints = Constraints(
+                self.tokenizer, vocab_size, self.model_info.eos_token_ids
+            )
+        return self._constraints
+
     def prepare(self, prompts: Sequence[Prompt], sampling=None) -> PreparedPrompts:
         """Token ids, sampling parameters and errors per row (``prompts.prepare_prompts``)."""
         return prepare_prompts(self.tokenizer, prompts, sampling, self.max_context)
@@ -79,7 +93,8 @@ class LLMOperator:
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Plan:
         """The prefix-sharing plan of these prompts, without loading the model (bad rows left out)."""
-        return self._plan(self.prepare(prompts, sampling))[0]
+        prepared = self.prepare(prompts, sampling)
+        return self._plan(prepared.token_ids, prepared.params)[0]
 
     def tokenize(self, prompts: Sequence[Prompt]) -> list[list[int] | None]:
         """The token ids each prompt runs with (chat template applied); None where the row
@@ -94,32 +109,57 @@ class LLMOperator:
         """One result per prompt, in input order; bad rows get finish_reason="error"."""
         started = time.perf_counter()
         prepared = self.prepare(prompts, sampling)
-        plan, valid = self._plan(prepared)
-        params = [prepared.params[valid[r.rows[0]]] for r in plan.requests]
+        rows = len(prepared.token_ids)
+        constrained = any(p.constraint is not None for p in prepared.params)
+        # rows with choices and logprobs: one scoring request per choice, planned with the
+        # rows (they share the row's prompt), feeding the choice's tokens instead of sampling
+        scoring = self._scoring_rows(prepared) if constrained else []
+        token_ids = [*prepared.token_ids, *(prepared.token_ids[row] for row, _, _ in scoring)]
+        params = [
+            *prepared.params,
+            *(SamplingParams(max_tokens=len(ids), ignore_eos=True) for _, _, ids in scoring),
+        ]
+        plan, valid = self._plan(token_ids, params, scoring_from=rows)
+        forced = {
+            r.request_id: scoring[valid[r.rows[0]] - rows][2]
+            for r in plan.requests
+            if valid[r.rows[0]] >= rows
+        }
         backend = self.backend() if plan.requests else None
         generate_started = time.perf_counter()
         with ProgressBar(len(valid), enabled=self.config.progress) as bar:
             run = Run(
                 plan,
-                params,
+                [params[valid[r.rows[0]]] for r in plan.requests],
                 tokenizer=self.tokenizer,
                 eos_token_ids=self.model_info.eos_token_ids,
                 max_context=self.max_context,
                 progress=bar.update,
+                constraints=self.constraints() if constrained else None,
+                forced=forced,
             )
             outputs = run_plan(backend, run) if backend is not None else run.result()
         generate_seconds = time.perf_counter() - generate_started
-        results: list[GenerationResult | None] = [None] * len(prepared.token_ids)
+        results: list[GenerationResult | None] = [None] * rows
+        scores: dict[int, dict[str, float]] = {}
         for row, message in prepared.errors.items():
             results[row] = GenerationResult.failed(message)
         for request, output in zip(plan.requests, outputs.outputs):
             for plan_row in request.rows:
-                results[valid[plan_row]] = GenerationResult.of(output, len(request.token_ids))
+                row = valid[plan_row]
+                if row >= rows:
+                    source, choice, _ = scoring[row - rows]
+                    scores.setdefault(source, {})[choice] = output.logprob
+                else:
+                    results[row] = GenerationResult.of(output, len(request.token_ids))
+        for row, choice_logprobs in scores.items():
+            results[row] = results[row]._replace(choice_logprobs=choice_logprobs)
         assert all(r is not None for r in results), "every row has a result"
         self.last_stats = RunStats.of(
             plan.stats,
             outputs,
             results,
+            forced_tokens=run.forced_tokens,
             tokenize_seconds=prepared.seconds,
             generate_seconds=generate_seconds,
             seconds=time.perf_counter() - started,
@@ -127,14 +167,30 @@ class LLMOperator:
         )
         return results
 
-    def _plan(self, prepared: PreparedPrompts) -> tuple[Plan, list[int]]:
-        """The plan over the valid rows, and the input row of each plan row."""
-        token_ids, params = prepared.token_ids, prepared.params
+    def _scoring_rows(self, prepared: PreparedPrompts) -> list[tuple[int, str, tuple[int, ...]]]:
+        """(input row, choice, the choice's tokens) for each choice of each valid row that
+        asks for choices and logprobs."""
+        scoring = []
+        for row, (ids, p) in enumerate(zip(prepared.token_ids, prepared.params)):
+            if ids is not None and p.choices is not None and p.logprobs:
+                trie = self.constraints().trie(p.choices)
+                tokens = self.constraints().choice_tokens(p.choices)
+                scoring.extend((row, choice, tuple(t)) for choice, t in zip(trie.choices, tokens))
+        return scoring
+
+    def _plan(self, token_ids, params, scoring_from: int | None = None) -> tuple[Plan, list[int]]:
+        """The plan over the valid rows, and the input row of each plan row (rows from
+        ``scoring_from`` on are scoring requests: never merged)."""
         valid = [row for row, ids in enumerate(token_ids) if ids is not None]
         plan = build_plan(
             [token_ids[row] for row in valid],
             [params[row].max_tokens for row in valid],
-            merge_keys=[params[row] if params[row].greedy else None for row in valid],
+            merge_keys=[
+                params[row]
+                if params[row].greedy and (scoring_from is None or row < scoring_from)
+                else None
+                for row in valid
+            ],
             min_shared_tokens=self.config.min_shared_tokens,
             decode_first=self.config.decode_first,
             share_prefixes=self.config.share_prefixes,

@@ -125,7 +125,67 @@ def _keyword_items(name: str, value: Any) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(items.items()))
 
 
+def _choices(name: str, value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} must be a list of strings, got {value!r}")
+    labels = tuple(value)
+    if not labels:
+        raise ValueError(f"{name} must hold at least one string, got an empty list")
+    for label in labels:
+        if not isinstance(label, str) or not label:
+            raise ValueError(f"{name} must hold non-empty strings, got {label!r}")
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:
+        raise ValueError(f"{name} has duplicates: {repeated}")
+    return labels
+
+
+def _regex(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"{name} must be a non-empty string, got {value!r}")
+    from llm_operator.constraints import check_regex
+
+    check_regex(value)
+    return value
+
+
+def _json_schema(name: str, value: Any) -> str | None:
+    """A dict or a JSON string, kept as canonical JSON text (hashable)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{name} is not valid JSON: {error}") from None
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{name} must be a dict or a JSON object string, got {value!r:.80}")
+    text = json.dumps(value, sort_keys=True)
+    from llm_operator.constraints import check_json_schema
+
+    check_json_schema(text)
+    return text
+
+
 # -- command-line parsing of values that are not plain ints, floats or strings ---------
+def _split_commas(text: str) -> list[str]:
+    """``a,b,c`` -> ["a", "b", "c"] (spaces around names dropped)."""
+    return [part.strip() for part in text.split(",")]
+
+
+def _read_json_file(path: str) -> str:
+    from pathlib import Path
+
+    try:
+        return Path(path).read_text()
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {error}") from None
+
+
 def _parse_keyword_item(text: str) -> tuple[str, Any]:
     """``KEY=VALUE`` with VALUE read as JSON when it parses (numbers, true, null), else text."""
     key, sep, raw = text.partition("=")
@@ -215,6 +275,17 @@ OPTIONS: tuple[Option, ...] = (
            _optional(_integer(None)), "int | None"),
     Option("ignore_eos", "sampling", False, "keep generating past the end-of-sequence token",
            _boolean, "bool", cli="flag"),
+    Option("choices", "sampling", None,
+           "the output is exactly one of these strings (a token trie; decided rows stop at once)",
+           _choices, "tuple[str, ...] | None", cli_type=_split_commas),
+    Option("regex", "sampling", None, "the output matches this regular expression",
+           _regex, "str | None"),
+    Option("json_schema", "sampling", None,
+           "the output is JSON valid under this schema (a dict or JSON text; CLI: a file)",
+           _json_schema, "str | None", cli_type=_read_json_file),
+    Option("logprobs", "sampling", False,
+           "return the log-probability of the output under the unconstrained model (and, with "
+           "choices, of every choice)", _boolean, "bool", cli="flag"),
     # -- prompt: how a column value becomes a prompt (integrations and CLI) ---------------
     Option("chat", "prompt", False, "send each prompt as a user chat message",
            _boolean, "bool", cli="flag"),

@@ -19,6 +19,10 @@ class GenerationResult(NamedTuple):
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    logprob: float | None = None
+    """With ``logprobs=True``: the log-probability of token_ids under the unconstrained model."""
+    choice_logprobs: dict[str, float] | None = None
+    """With ``choices`` and ``logprobs=True``: each choice's log-probability after the prompt."""
 
     @classmethod
     def failed(cls, message: str, prompt_tokens: int = 0) -> GenerationResult:
@@ -34,6 +38,7 @@ class GenerationResult(NamedTuple):
             prompt_tokens,
             len(output.token_ids),
             output.error,
+            output.logprob,
         )
 
 
@@ -49,6 +54,7 @@ class RunStats:
     planned_prefill_tokens: int = 0
     prefill_tokens_computed: int = 0
     output_tokens: int = 0
+    forced_tokens: int = 0  # output tokens appended without a model step (jump-forward)
     groups: int = 0
     saving_ratio: float = 0.0
     plan_seconds: float = 0.0

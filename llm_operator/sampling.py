@@ -14,6 +14,8 @@ import torch
 
 from llm_operator.options import options_dataclass
 
+CONSTRAINTS = ("choices", "regex", "json_schema")
+
 
 @options_dataclass("sampling")
 class SamplingParams:
@@ -22,6 +24,21 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def constraint(self) -> tuple[str, object] | None:
+        """("choices" | "regex" | "json_schema", its value), or None when unconstrained."""
+        for name in CONSTRAINTS:
+            if getattr(self, name) is not None:
+                return name, getattr(self, name)
+        return None
+
+    def _check(self) -> None:
+        given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(
+                f"give at most one of choices, regex and json_schema; got {' and '.join(given)}"
+            )
 
 
 def row_seed(seed: int, prompt_token_ids: Sequence[int], occurrence: int = 0) -> int:

@@ -15,6 +15,7 @@ class RequestOutput(NamedTuple):
     text: str
     finish_reason: str  # "stop" | "length" | "error"
     error: str | None = None
+    logprob: float | None = None  # with logprobs=True: sum over token_ids, unconstrained
 
 
 class BackendResult(NamedTuple):

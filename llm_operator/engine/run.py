@@ -30,7 +30,9 @@ from llm_operator.sampling import SamplingParams, row_seed, sample_next_tokens
 class Request:
     """A planned request's state: what it samples with, what it has produced."""
 
-    __slots__ = ("planned", "params", "generator", "decoder", "output")
+    __slots__ = (
+        "planned", "params", "generator", "decoder", "constraint", "forced", "logprob", "output"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -38,12 +40,22 @@ class Request:
         params: SamplingParams,
         generator: torch.Generator | None,
         decoder: RowDecoder,
+        constraint=None,
+        forced: tuple[int, ...] | None = None,
     ) -> None:
         self.planned = planned
         self.params = params
         self.generator = generator  # seeded rows only: derived from seed and prompt
         self.decoder = decoder
+        self.constraint = constraint  # constraints.ChoiceState | GrammarState | None
+        self.forced = forced  # scoring requests: the tokens to feed (and score) instead
+        self.logprob = 0.0  # unconstrained log-probability of the tokens so far
         self.output: RequestOutput | None = None
+
+    @property
+    def special(self) -> bool:
+        """Whether sampling needs more than the sampler: a mask, forced tokens, logprobs."""
+        return self.constraint is not None or self.forced is not None or self.params.logprobs
 
     @property
     def request_id(self) -> int:
@@ -60,6 +72,9 @@ class Run:
     params: one ``SamplingParams`` per planned request (``plan.requests`` order).
     generators: one per planned request (None: derived with ``request_generators``).
     progress(finished_rows, new_output_tokens) is called as tokens and rows come in.
+    constraints: compiles ``choices``/``regex``/``json_schema`` (needed when any row has one).
+    forced: request_id -> tokens a scoring request feeds instead of sampling; its output's
+        ``logprob`` is their log-probability after the prompt.
     """
 
     def __init__(
@@ -72,6 +87,8 @@ class Run:
         max_context: int,
         generators: Sequence[torch.Generator | None] | None = None,
         progress: ProgressCallback | None = None,
+        constraints=None,
+        forced: dict[int, tuple[int, ...]] | None = None,
     ) -> None:
         assert len(params) == len(plan.requests), "one SamplingParams per planned request"
         if generators is None:
@@ -81,18 +98,25 @@ class Run:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context = max_context
         self.progress = progress
+        forced = forced or {}
         self.requests = [
             Request(
                 planned,
                 p,
                 generator,
                 RowDecoder(tokenizer, p, self.eos_token_ids, len(planned.token_ids), max_context),
+                None if constraints is None else constraints.start(p, ignore_eos=p.ignore_eos),
+                forced.get(planned.request_id),
             )
             for planned, p, generator in zip(plan.requests, params, generators)
         ]
+        assert constraints is not None or all(p.constraint is None for p in params), (
+            "constrained rows need a Constraints"
+        )
         self.unanswered = len(self.requests)
         self.prefill_tokens = 0  # prompt tokens run through the model (backends add to it)
         self.output_tokens = 0
+        self.forced_tokens = 0  # tokens appended without a model step (choices jump-forward)
 
     @property
     def done(self) -> bool:
@@ -103,38 +127,97 @@ class Run:
     def sample(self, logits: torch.Tensor, request_ids: Sequence[int]) -> list[int]:
         """One next token per request from its logits row (logits: [len(request_ids), vocab])."""
         requests = [self.requests[i] for i in request_ids]
-        return sample_next_tokens(
+        special = [k for k, r in enumerate(requests) if r.special]
+        if not special:
+            return sample_next_tokens(
+                logits, [r.params for r in requests], [r.generator for r in requests]
+            ).tolist()
+        logits = logits.float().clone()  # masked in place below
+        # the unconstrained distribution, for logprobs and scoring
+        scored = [k for k in special if requests[k].params.logprobs or requests[k].forced]
+        log_probs = torch.log_softmax(logits[scored], dim=-1) if scored else None
+        for k in special:
+            if requests[k].constraint is not None:
+                requests[k].constraint.mask(logits[k])
+        tokens = sample_next_tokens(
             logits, [r.params for r in requests], [r.generator for r in requests]
         ).tolist()
+        for k in special:
+            request = requests[k]
+            if request.forced is not None:
+                tokens[k] = request.forced[len(request.decoder.token_ids)]
+        for j, k in enumerate(scored):
+            requests[k].logprob += float(log_probs[j, tokens[k]])
+        return tokens
 
     def append(self, request_id: int, token: int) -> bool:
         """Add a generated token; True when the request has finished (its output is set)."""
         request = self.requests[request_id]
         self.output_tokens += 1
-        if not request.decoder.append(token):
+        finished = request.decoder.append(token)
+        if request.constraint is not None:
+            request.constraint.accept(token)
+            if not finished:
+                finished = self._jump_forward(request)
+        if not finished:
             self._report(0, 1)
             return False
-        decoder = request.decoder
-        self._set(request, RequestOutput(tuple(decoder.token_ids), decoder.final_text(),
-                                         decoder.finish_reason), new_tokens=1)  # fmt: skip
+        self._set(request, self._output(request), new_tokens=1)
         return True
 
-    def replay(self, request_id: int, token_ids: Sequence[int], reason: str, text: str) -> None:
+    def _jump_forward(self, request: Request) -> bool:
+        """End a constrained row whose remaining tokens are decided (all of a choice's
+        tokens, or a grammar's end): append them without model steps. Not with logprobs:
+        every returned token is then scored by a step."""
+        tokens = request.constraint.remaining()
+        if tokens is None or (tokens and request.params.logprobs):
+            return False
+        decoder = request.decoder
+        room = decoder.max_tokens - len(decoder.token_ids)
+        appended = tokens[:room]
+        decoder.token_ids.extend(appended)
+        decoder.finish_reason = "stop" if len(appended) == len(tokens) else "length"
+        request.constraint.complete(appended if len(appended) == len(tokens) else [])
+        self.forced_tokens += len(appended)
+        self.output_tokens += len(appended)
+        return True
+
+    def replay(
+        self,
+        request_id: int,
+        token_ids: Sequence[int],
+        reason: str,
+        text: str,
+        logprob: float | None = None,
+    ) -> None:
         """A whole completion from an engine that stopped by itself (``reason``: its
-        finish reason, ``text``: its text); our stop rules cut it where they end it."""
+        finish reason, ``text``: its text, ``logprob``: its tokens' log-probability);
+        our stop rules cut it where they end it."""
         request = self.requests[request_id]
         decoder = request.decoder
         for token in token_ids:
-            if decoder.append(token):
+            finished = decoder.append(token)
+            if request.constraint is not None:
+                request.constraint.accept(token)
+            if finished:
                 break
         self.output_tokens += len(decoder.token_ids)
+        request.logprob = logprob or 0.0
         if decoder.finish_reason is None:  # the engine stopped first (its EOS, its context)
-            output = RequestOutput(tuple(decoder.token_ids), text, reason)
-        else:
-            output = RequestOutput(
-                tuple(decoder.token_ids), decoder.final_text(), decoder.finish_reason
-            )
-        self._set(request, output, new_tokens=len(decoder.token_ids))
+            decoder.end_with(reason, text)
+        self._set(request, self._output(request), new_tokens=len(decoder.token_ids))
+
+    def _output(self, request: Request) -> RequestOutput:
+        """The finished request's output: its text, and for a constrained row the choice it
+        made or why its output is not valid (the partial text is kept)."""
+        decoder = request.decoder
+        text = decoder.final_text()
+        error = None
+        if request.constraint is not None:
+            chosen, error = request.constraint.result(text)
+            text = chosen if chosen is not None else text
+        logprob = request.logprob if (request.params.logprobs or request.forced) else None
+        return RequestOutput(tuple(decoder.token_ids), text, decoder.finish_reason, error, logprob)
 
     def fail(self, request_id: int, message: str) -> None:
         """The request cannot run: its rows become error rows with ``message``."""

@@ -63,6 +63,10 @@ class RowDecoder:
             return True
         return False
 
+    def end_with(self, reason: str, text: str) -> None:
+        """The engine that produced the tokens ended the row first, with this text."""
+        self.finish_reason, self.text, self._cut_at_stop_string = reason, text, True
+
     def final_text(self) -> str:
         if self._cut_at_stop_string:
             return self.text

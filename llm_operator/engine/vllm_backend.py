@@ -42,6 +42,7 @@ from llm_operator.engine.vllm_driver import (
     start_engine,
     vllm_available,
 )
+from llm_operator.options import BY_NAME
 from llm_operator.planner import PlannedRequest, PrefixGroup
 
 __all__ = ["HOW_TO_GET_VLLM", "VLLMBackend", "require_vllm", "vllm_available"]
@@ -78,7 +79,7 @@ class VLLMBackend:
         max_context: int,
         dtype: str = "auto",
         kv_cache_bytes: int | None = None,
-        max_batch_size: int = 256,
+        max_batch_size: int = BY_NAME["max_batch_size"].default,
         trust_remote_code: bool = False,
         options: Mapping[str, Any] | None = None,
     ) -> None:

@@ -24,7 +24,7 @@ from llm_operator.engine.run import Run
 from llm_operator.models.gemm import DEFAULT_GEMM
 from llm_operator.models.llama import LlamaModel
 from llm_operator.options import BY_NAME
-from llm_operator.planner import Plan
+from llm_operator.planner import Plan, build_plan
 
 
 class NativeBackend:
@@ -38,30 +38,28 @@ class NativeBackend:
         *,
         kv_cache_bytes: int,
         block_size: int = BY_NAME["kv_block_size"].default,
-        max_batched_tokens: int = BY_NAME["prefill_batch_tokens"].default,
-        max_running: int = BY_NAME["max_batch_size"].default,
-        decode_reserve: float = 0.5,
-        share_prefixes: bool = True,
-        token_batching: bool = True,
+        **scheduling: Any,
     ) -> None:
-        if block_size < 1 or max_batched_tokens < 1:
-            raise ValueError("block_size and max_batched_tokens must be >= 1")
+        """scheduling: the ``Scheduler``'s keyword options (max_batched_tokens, max_running,
+        decode_reserve, share_prefixes, token_batching), checked here by building one."""
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        Scheduler(build_plan([], []), BlockManager(1, block_size), **scheduling)
+        self.scheduling = scheduling
+        self.max_batched_tokens = scheduling.get(
+            "max_batched_tokens", BY_NAME["prefill_batch_tokens"].default
+        )
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.kv_cache_bytes = kv_cache_bytes
         self.block_size = block_size
-        self.max_batched_tokens = max_batched_tokens
-        self.max_running = max_running
-        self.decode_reserve = decode_reserve
-        self.share_prefixes = share_prefixes
-        self.token_batching = token_batching
         self.last_profile: dict[str, Any] = {}
         if self.device.type == "cpu":  # time the CPU GEMMs of every linear shape once, now
             DEFAULT_GEMM.tune(
                 [p for name, p in model.named_parameters() if name.endswith("proj.weight")],
-                max_rows=max_batched_tokens,
+                max_rows=self.max_batched_tokens,
             )
 
     # -- memory ------------------------------------------------------------------------
@@ -196,11 +194,7 @@ class _NativeSteps:
         self.scheduler = Scheduler(
             plan,
             BlockManager(num_blocks, backend.block_size),
-            max_batched_tokens=backend.max_batched_tokens,
-            max_running=backend.max_running,
-            decode_reserve=backend.decode_reserve,
-            share_prefixes=backend.share_prefixes,
-            token_batching=backend.token_batching,
+            **backend.scheduling,
         )
         self.reported = 0  # scheduler.rejected already failed in the run
         backend.last_profile = {

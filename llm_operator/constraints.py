@@ -1,0 +1,277 @@
+"""Constrained outputs: a row's next-token mask, applied in the sampling step.
+
+- ``choices``: a token trie over the tokenized choices. The mask allows the children of
+  the row's node (and the end-of-sequence tokens where a choice ends and a longer one
+  goes on). Once the tokens so far leave a single choice, its remaining tokens are
+  appended without model steps (jump-forward; ``RunStats.forced_tokens`` counts them).
+- ``regex`` and ``json_schema``: xgrammar (the grammar engine vLLM uses) compiles the
+  constraint against the tokenizer once per distinct constraint; a ``GrammarMatcher`` per
+  row yields the token bitmask each step (JSON compact: no free whitespace). When only end-of-sequence tokens remain allowed,
+  the row ends at once instead of spending a step on the end token.
+
+``Constraints`` (one per operator) compiles and caches; ``start(params)`` gives a row's
+state, which the ``Run`` masks logits with and feeds the accepted tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Sequence
+
+import torch
+
+NO_CHOICE = -1
+
+
+def check_regex(regex: str) -> None:
+    """ValueError naming the regex when the grammar engine cannot compile it."""
+    xgr = _xgrammar()
+    try:
+        xgr.Grammar.from_regex(regex)
+    except RuntimeError as error:
+        raise ValueError(f"regex {regex!r} cannot be compiled: {_reason(error)}") from None
+
+
+def check_json_schema(schema: str) -> None:
+    """ValueError naming the schema when the grammar engine cannot compile it."""
+    xgr = _xgrammar()
+    try:
+        xgr.Grammar.from_json_schema(schema)
+    except RuntimeError as error:
+        raise ValueError(f"json_schema cannot be compiled: {_reason(error)}") from None
+
+
+class ChoiceTrie:
+    """Nodes of the tokenized choices: ``children[node][token] -> node``; ``ends[node]``
+    is the index of the choice that ends there (NO_CHOICE when none)."""
+
+    def __init__(self, choices: Sequence[str], token_ids: Sequence[Sequence[int]]) -> None:
+        self.choices = tuple(choices)
+        self.children: list[dict[int, int]] = [{}]
+        self.ends: list[int] = [NO_CHOICE]
+        for index, ids in enumerate(token_ids):
+            if not ids:
+                raise ValueError(f"choice {choices[index]!r} has no tokens")
+            node = 0
+            for token in ids:
+                child = self.children[node].get(token)
+                if child is None:
+                    child = len(self.children)
+                    self.children[node][token] = child
+                    self.children.append({})
+                    self.ends.append(NO_CHOICE)
+                node = child
+            if self.ends[node] != NO_CHOICE:
+                other = choices[self.ends[node]]
+                raise ValueError(
+                    f"choices {other!r} and {choices[index]!r} have the same tokens; give "
+                    "choices that differ as text the tokenizer keeps apart"
+                )
+            self.ends[node] = index
+
+    def tail(self, node: int) -> list[int] | None:
+        """The tokens from ``node`` to the one choice it leads to, or None when more than
+        one choice (or stopping here) is still possible."""
+        tokens: list[int] = []
+        while True:
+            children = self.children[node]
+            if self.ends[node] != NO_CHOICE:
+                return tokens if not children else None
+            if len(children) != 1:
+                return None
+            ((token, node),) = children.items()
+            tokens.append(token)
+
+
+class ChoiceState:
+    """A row walking the trie."""
+
+    kind = "choices"
+
+    def __init__(self, trie: ChoiceTrie, stop_token_ids: Collection[int]) -> None:
+        self.trie = trie
+        self.stop_token_ids = list(stop_token_ids)
+        self.node = 0
+        self.chosen = NO_CHOICE
+
+    def mask(self, logits: torch.Tensor) -> None:
+        """logits: [vocab], masked in place to the allowed tokens."""
+        allowed = list(self.trie.children[self.node])
+        if self.trie.ends[self.node] != NO_CHOICE:
+            allowed += self.stop_token_ids
+        keep = logits[allowed].clone()
+        logits.fill_(float("-inf"))
+        logits[allowed] = keep
+
+    def accept(self, token: int) -> None:
+        if self.chosen != NO_CHOICE:
+            return
+        child = self.trie.children[self.node].get(token)
+        if child is not None:
+            self.node = child
+            if not self.trie.children[child]:
+                self.chosen = self.trie.ends[child]
+        elif token in self.stop_token_ids and self.trie.ends[self.node] != NO_CHOICE:
+            self.chosen = self.trie.ends[self.node]
+
+    def remaining(self) -> list[int] | None:
+        """Tokens that complete the row's choice ([] when complete), None if undecided."""
+        if self.chosen != NO_CHOICE:
+            return []
+        return self.trie.tail(self.node)
+
+    def complete(self, tokens: Sequence[int]) -> None:
+        """``tokens`` (from ``remaining``) were appended: the choice is made."""
+        for token in tokens:
+            self.node = self.trie.children[self.node][token]
+        self.chosen = self.trie.ends[self.node]
+
+    def result(self, text: str) -> tuple[str | None, str | None]:
+        """(the chosen string, None) or (None, why there is none)."""
+        if self.chosen == NO_CHOICE:
+            return None, "the output stopped before it completed one of the choices"
+        return self.trie.choices[self.chosen], None
+
+
+class GrammarState:
+    """A row under a compiled regex or JSON schema (an xgrammar matcher)."""
+
+    def __init__(self, kind: str, compiled, vocab_size: int, stop_token_ids: Collection[int]):
+        xgr = _xgrammar()
+        self.kind = kind
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self.stop_token_ids = list(stop_token_ids)
+        self.vocab_size = vocab_size
+        self._filled = False
+
+    def _fill(self) -> None:
+        if not self._filled:
+            self.matcher.fill_next_token_bitmask(self.bitmask)
+            self._filled = True
+
+    def mask(self, logits: torch.Tensor) -> None:
+        """logits: [vocab], masked in place to the tokens the grammar allows next."""
+        self._fill()
+        _xgrammar().apply_token_bitmask_inplace(logits.unsqueeze(0), self.bitmask)
+
+    def accept(self, token: int) -> None:
+        if not self.matcher.is_terminated():
+            self.matcher.accept_token(token)
+            self._filled = False
+
+    def only_stop_allowed(self) -> bool:
+        """Whether the grammar is complete and allows nothing but ending."""
+        if self.matcher.is_terminated():
+            return True
+        self._fill()
+        allowed = _allowed_count(self.bitmask, self.vocab_size)
+        stops = [t for t in self.stop_token_ids if _is_set(self.bitmask, t)]
+        return bool(stops) and allowed == len(stops)
+
+    def can_end(self) -> bool:
+        if self.matcher.is_terminated():
+            return True
+        self._fill()
+        return any(_is_set(self.bitmask, t) for t in self.stop_token_ids)
+
+    def remaining(self) -> list[int] | None:
+        return [] if self.only_stop_allowed() else None
+
+    def complete(self, tokens: Sequence[int]) -> None:
+        assert not tokens, "a grammar row jumps forward only to its end"
+
+    def result(self, text: str) -> tuple[str | None, str | None]:
+        """(None, None) when the text is complete under the grammar, else (None, why not)."""
+        if not self.can_end():
+            what = "regex" if self.kind == "regex" else "JSON schema"
+            return None, f"the output is not valid: it stopped before its {what} was complete"
+        if self.kind == "json_schema":
+            try:
+                json.loads(text)
+            except json.JSONDecodeError as error:
+                return None, f"the output is not valid JSON: {error}"
+        return None, None
+
+
+class Constraints:
+    """Compiles constraints for one tokenizer (once per distinct constraint) and starts
+    row states. vocab_size: the width of the model's logits."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Collection[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self._tries: dict[tuple[str, ...], ChoiceTrie] = {}
+        self._grammars: dict[tuple[str, str], object] = {}
+        self._compiler = None
+
+    def start(self, params, *, ignore_eos: bool = False):
+        """A row's constraint state, or None for an unconstrained row."""
+        constraint = params.constraint
+        if constraint is None:
+            return None
+        kind, value = constraint
+        stops = () if ignore_eos else self.stop_token_ids
+        if kind == "choices":
+            return ChoiceState(self.trie(value), stops)
+        return GrammarState(kind, self.grammar(kind, value), self.vocab_size, stops)
+
+    def trie(self, choices: tuple[str, ...]) -> ChoiceTrie:
+        trie = self._tries.get(choices)
+        if trie is None:
+            trie = self._tries[choices] = ChoiceTrie(choices, self.choice_tokens(choices))
+        return trie
+
+    def choice_tokens(self, choices: tuple[str, ...]) -> list[list[int]]:
+        """Each choice's tokens, as the output spells it (no special tokens)."""
+        return [self.tokenizer(c, add_special_tokens=False)["input_ids"] for c in choices]
+
+    def grammar(self, kind: str, value: str):
+        compiled = self._grammars.get((kind, value))
+        if compiled is None:
+            compiler = self._grammar_compiler()
+            if kind == "regex":
+                compiled = compiler.compile_regex(value)
+            else:
+                # compact JSON: no free whitespace between tokens, which small models can
+                # otherwise spend their whole max_tokens on
+                compiled = compiler.compile_json_schema(value, any_whitespace=False)
+            self._grammars[(kind, value)] = compiled
+        return compiled
+
+    def _grammar_compiler(self):
+        if self._compiler is None:
+            xgr = _xgrammar()
+            info = xgr.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+            )
+            self._compiler = xgr.GrammarCompiler(info)
+        return self._compiler
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError:  # pragma: no cover - a core dependency
+        raise ImportError(
+            "regex and json_schema need the xgrammar package: pip install xgrammar"
+        ) from None
+    return xgrammar
+
+
+def _reason(error: Exception) -> str:
+    """xgrammar's message without its source location prefix."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
+
+
+def _is_set(bitmask: torch.Tensor, token: int) -> bool:
+    word = int(bitmask[0, token // 32])
+    return bool((word >> (token % 32)) & 1)
+
+
+def _allowed_count(bitmask: torch.Tensor, vocab_size: int) -> int:
+    words = bitmask[0].to(torch.int64) & 0xFFFFFFFF
+    bits = ((words.unsqueeze(1) >> torch.arange(32)) & 1).flatten()[:vocab_size]
+    return int(bits.sum())
