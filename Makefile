@@ -9,7 +9,7 @@ VLLM_VENV ?= .venv-vllm
 # torch: the CPU wheel on a machine without an NVIDIA GPU, the default CUDA build otherwise
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.4' || echo 'torch==2.13.0')
 
-.PHONY: demo test test-vllm lint setup setup-test bench bench-quick vllm-env clean
+.PHONY: demo test test-vllm lint setup setup-test bench bench-quick vllm-env clean fuzz
 
 demo: $(VENV)/.installed-run
 	$(VENV)/bin/llm-operator demo
@@ -28,6 +28,10 @@ endif
 
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python -m pytest -q $(VLLM_TEST_FILES)
+
+# the property-based tests with thousands of cases per surface (the suite runs a few dozen)
+fuzz: $(VENV)/.installed-test
+	HYPOTHESIS_PROFILE=long $(PY) -m pytest -q tests/test_fuzz.py tests/test_fuzz_cli.py --hypothesis-show-statistics
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .

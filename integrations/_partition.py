@@ -24,19 +24,26 @@ from typing import Any
 
 from llm_operator import options as option_table
 from llm_operator.config import EngineConfig
+from llm_operator.integrations.json_values import ValueType, parse_value, value_type
 from llm_operator.prompts import as_chat
 from llm_operator.sampling import SamplingParams
 
 logger = logging.getLogger("llm_operator.integrations")
 
-# (name, Python type) of each result field, in output order
+# (name, Python type) of each result field, in output order; every field is there for
+# every row (logprob: None unless logprobs=True; choice_logprobs: None unless choices and
+# logprobs), so the output's type does not depend on the options. With json_schema, a
+# VALUE_FIELD follows, typed from the schema (json_values.py).
 RESULT_FIELDS: tuple[tuple[str, type], ...] = (
     ("text", str),
     ("finish_reason", str),
     ("prompt_tokens", int),
     ("completion_tokens", int),
     ("error", str),
+    ("logprob", float),
+    ("choice_logprobs", dict),  # choice -> log-probability (float or None)
 )
+VALUE_FIELD = "value"
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,18 @@ def make_options(
         chat=prompt["chat"] or prompt["system"] is not None,
         system=prompt["system"],
     )
+
+
+def typed_value(json_schema: Any, value: Any, *, untyped: bool = False) -> ValueType | None:
+    """The type of the rows' parsed JSON (on the driver): None without a ``json_schema``
+    or with ``value=False``; ValueError naming a schema part that has no single type,
+    unless ``untyped`` (json_values.value_type). ``json_schema``: as the user gave it
+    (make_options checks it first), so fields keep the user's property order."""
+    if not isinstance(value, bool):
+        raise TypeError(f"value must be a bool, got {value!r}")
+    if not value or json_schema is None:
+        return None
+    return value_type(json_schema, untyped=untyped)
 
 
 # -- one engine per worker process ----------------------------------------------------
@@ -170,8 +189,20 @@ def _is_missing(value: Any) -> bool:
     return type(value).__name__ in ("NAType", "NaTType")
 
 
-def result_records(results) -> list[dict[str, Any]]:
-    return [{name: getattr(r, name) for name, _ in RESULT_FIELDS} for r in results]
+def result_records(results, value_type: ValueType | None = None) -> list[dict[str, Any]]:
+    """One dict per result: the RESULT_FIELDS, and with ``value_type`` the row's JSON
+    text parsed as that type under VALUE_FIELD (None where it does not parse or fit; then
+    ``error`` says why, unless the engine's own message is there already)."""
+    records = [{name: getattr(r, name) for name, _ in RESULT_FIELDS} for r in results]
+    if value_type is not None:
+        for record in records:
+            record[VALUE_FIELD] = None
+            if record["finish_reason"] == "error" or record["error"] is not None:
+                continue  # no text, or the engine said why it is not valid
+            record[VALUE_FIELD], why = parse_value(record["text"], value_type)
+            if why is not None:
+                record["error"] = why
+    return records
 
 
 # -- co-location ------------------------------------------------------------------

@@ -25,13 +25,16 @@ import pandas as pd
 
 from llm_operator.integrations._partition import (
     RESULT_FIELDS,
+    VALUE_FIELD,
     InferOptions,
     PrefixPartitioner,
     build_partitioner,
     make_options,
     result_records,
     run_partition,
+    typed_value,
 )
+from llm_operator.integrations.json_values import ValueType
 from llm_operator.options import SCOPES, keyword_signature
 
 # Text results use the dtype dask itself gives text columns (its "convert-string" default).
@@ -43,15 +46,24 @@ _ORDER = "__llm_operator_order__"  # input order: (input partition << 32) | row 
 _INDEX = "__llm_operator_index__"  # the original index, restored at the end
 
 
-def result_columns(output: str) -> dict[str, tuple[str, Any]]:
-    """Result field -> (column name, dtype): ``text`` is ``{output}``, others ``{output}_{field}``."""
-    return {
-        field: (
-            output if field == "text" else f"{output}_{field}",
-            STRING_DTYPE if python_type is str else np.dtype("int64"),
-        )
+_DTYPES = {
+    str: STRING_DTYPE,
+    int: np.dtype("int64"),
+    float: np.dtype("float64"),
+    dict: np.dtype(object),
+}
+
+
+def result_columns(output: str, value: bool = False) -> dict[str, tuple[str, Any]]:
+    """Result field -> (column name, dtype): ``text`` is ``{output}``, others ``{output}_{field}``;
+    with ``value``, the parsed JSON too (``{output}_value``, Python objects)."""
+    columns = {
+        field: (output if field == "text" else f"{output}_{field}", _DTYPES[python_type])
         for field, python_type in RESULT_FIELDS
     }
+    if value:
+        columns[VALUE_FIELD] = (f"{output}_{VALUE_FIELD}", np.dtype(object))
+    return columns
 
 
 def llm_infer(
@@ -61,34 +73,46 @@ def llm_infer(
     output: str = "out",
     model: Any,
     engine_options: Mapping[str, Any] | None = None,
+    value: bool = True,
     **options: Any,
 ) -> dd.DataFrame:
     """``ddf`` with the generated columns added (lazy; nothing runs until compute).
 
     Adds ``{output}`` (the text), ``{output}_finish_reason`` ("stop" | "length" | "error"),
-    ``{output}_prompt_tokens``, ``{output}_completion_tokens`` (int64) and
-    ``{output}_error`` (a message on error rows, else missing). Text columns are
-    ``string[pyarrow]``. Index, divisions and row order are kept.
+    ``{output}_prompt_tokens``, ``{output}_completion_tokens`` (int64),
+    ``{output}_error`` (a message on error rows, else missing), ``{output}_logprob``
+    (float64: the output's log-probability under the unconstrained model with
+    ``logprobs=True``, else NaN) and ``{output}_choice_logprobs`` (objects: a dict
+    choice -> log-probability with ``choices`` and ``logprobs``, else None). With
+    ``json_schema`` (and ``value``), ``{output}_value`` holds each row's JSON parsed
+    into Python objects (dicts with every declared property, None for absent ones;
+    typed and checked as Spark's ``value`` is, see ``llm_operator.integrations.json_values``;
+    parts of the schema with no single type, e.g. ``anyOf``, are kept as parsed). A
+    row whose text is not valid JSON or does not fit gets None and ``{output}_error``
+    says why. Text columns are ``string[pyarrow]``. Index, divisions and row order are kept.
 
     col: a column of strings (string or object dtype); with ``chat=True`` (or a
         ``system`` prompt) each string becomes a user message. Missing and empty
         prompts become error rows; they never fail the partition.
     model and the engine options: which engine each worker process builds once and reuses
         (``LLMOperator`` arguments; ``engine_options`` takes them as a mapping too).
-    options: every engine, sampling and prompt option (``llm_operator.options``).
+    options: every engine, sampling and prompt option (``llm_operator.options``),
+        constrained outputs included: ``choices``, ``regex``, ``json_schema``, ``logprobs``.
     """
     _check_prompt_column(ddf, col)
     if not isinstance(output, str) or not output:
         raise TypeError(f"output must be a non-empty string, got {output!r}")
-    columns = result_columns(output)
+    schema = options.get("json_schema")  # as given: its property order
+    options = make_options(model=model, engine_options=engine_options, **options)
+    value_type = typed_value(schema, value, untyped=True)
+    columns = result_columns(output, value_type is not None)
     existing = [name for name, _ in columns.values() if name in ddf.columns]
     if existing:
         raise ValueError(
             f"output={output!r} would overwrite existing column(s) {existing}; choose another output"
         )
-    options = make_options(model=model, engine_options=engine_options, **options)
-    meta = _with_results(ddf._meta, [], output)
-    return ddf.map_partitions(_infer_partition, col, options, output, meta=meta)
+    meta = _with_results(ddf._meta, [], output, value_type is not None)
+    return ddf.map_partitions(_infer_partition, col, options, output, value_type, meta=meta)
 
 
 keyword_signature(llm_infer, SCOPES)
@@ -99,6 +123,7 @@ def _infer_partition(
     col: Hashable,
     options: InferOptions,
     output: str,
+    value_type: ValueType | None = None,
     partition_info: Mapping[str, Any] | None = None,
 ) -> pd.DataFrame:
     """One partition, one ``run_partition`` call (runs on the worker)."""
@@ -106,19 +131,26 @@ def _infer_partition(
     if partition_info is not None:
         label = f"dask partition {partition_info['number']}"
     results = run_partition(frame[col].tolist(), options, label=label)
-    return _with_results(frame, result_records(results), output)
+    return _with_results(frame, result_records(results, value_type), output, value_type is not None)
 
 
 def _with_results(
-    frame: pd.DataFrame, records: Sequence[Mapping[str, Any]], output: str
+    frame: pd.DataFrame, records: Sequence[Mapping[str, Any]], output: str, value: bool = False
 ) -> pd.DataFrame:
     """``frame`` plus the result columns, filled positionally from ``records``."""
     assert len(records) == len(frame), "one result record per row"
     result = frame.copy(deep=False)
-    for field, (name, dtype) in result_columns(output).items():
+    for field, (name, dtype) in result_columns(output, value).items():
         values = [record[field] for record in records]
         if dtype == STRING_DTYPE:
             result[name] = pd.array(values, dtype=STRING_DTYPE)
+        elif dtype.kind == "O":  # dicts and lists stay Python objects, one per row
+            column = np.empty(len(values), dtype=object)
+            for row, item in enumerate(values):
+                column[row] = item
+            result[name] = column
+        elif dtype.kind == "f":  # None -> NaN
+            result[name] = np.asarray([np.nan if v is None else v for v in values], dtype=dtype)
         else:
             result[name] = np.asarray(values, dtype=dtype)
     return result

@@ -53,6 +53,8 @@ def generate(
 def _to_result(record: Mapping[str, Any]):
     from llm_operator.results import GenerationResult
 
+    logprob = record["logprob"]
+    choice_logprobs = record["choice_logprobs"]
     return GenerationResult(
         text=record["text"] or "",
         token_ids=(),
@@ -60,6 +62,8 @@ def _to_result(record: Mapping[str, Any]):
         prompt_tokens=int(record["prompt_tokens"] or 0),
         completion_tokens=int(record["completion_tokens"] or 0),
         error=record["error"] if isinstance(record["error"], str) else None,
+        logprob=None if logprob is None or logprob != logprob else float(logprob),  # NaN: none
+        choice_logprobs=dict(choice_logprobs) if isinstance(choice_logprobs, Mapping) else None,
     )
 
 
@@ -87,7 +91,8 @@ def _spark(prompts: Sequence[Any], infer_kwargs: Mapping[str, Any], partitions: 
     frame = spark.createDataFrame(list(enumerate(values)), schema).repartition(partitions)
     # chat rows co-locate by their messages as JSON (system and shared turns come first)
     frame = co_locate(frame, F.to_json("prompt") if chat else "prompt", partitions)
-    out = frame.select("row", llm_infer("prompt", **infer_kwargs).alias("out"))
+    # the table keeps the JSON text: no typed value (so any schema the engine compiles works)
+    out = frame.select("row", llm_infer("prompt", value=False, **infer_kwargs).alias("out"))
     rows = sorted(out.collect(), key=lambda r: r["row"])
     results = [_to_result(r["out"].asDict()) for r in rows]
     if chat:  # one Spark column holds one type: plain strings went in as nulls
@@ -123,7 +128,7 @@ def _dask(prompts: Sequence[Any], infer_kwargs: Mapping[str, Any], partitions: i
     with dask.config.set({"dataframe.convert-string": False, "scheduler": "threads"}):
         ddf = dd.from_pandas(frame, npartitions=partitions)
         ddf = co_locate(ddf, "key", partitions)
-        ddf = llm_infer(ddf, "prompt", output="out", **infer_kwargs)
+        ddf = llm_infer(ddf, "prompt", output="out", value=False, **infer_kwargs)
         computed = ddf.compute().sort_values("row")
     results = [
         _to_result(
@@ -133,6 +138,8 @@ def _dask(prompts: Sequence[Any], infer_kwargs: Mapping[str, Any], partitions: i
                 "prompt_tokens": r["out_prompt_tokens"],
                 "completion_tokens": r["out_completion_tokens"],
                 "error": r["out_error"],
+                "logprob": r["out_logprob"],
+                "choice_logprobs": r["out_choice_logprobs"],
             }
         )
         for r in computed.to_dict("records")

@@ -6,7 +6,8 @@
 >>> df.select("out.text", "out.finish_reason")
 
 ``llm_infer`` returns a struct column ``text, finish_reason, prompt_tokens,
-completion_tokens, error``. Each partition is one batch: the UDF gathers all of the
+completion_tokens, error, logprob, choice_logprobs`` (and with ``json_schema`` a typed
+``value``: ``out.value.name``). Each partition is one batch: the UDF gathers all of the
 partition's Arrow batches and runs one plan over all its rows (global prefix sharing),
 then yields outputs aligned with the input batches. The engine is built once per Python
 worker process and reused across tasks and jobs (Spark reuses Python workers by default):
@@ -30,6 +31,7 @@ from pyspark.sql import types as T
 
 from llm_operator.integrations._partition import (
     RESULT_FIELDS,
+    VALUE_FIELD,
     InferOptions,
     PrefixPartitioner,
     _is_missing,
@@ -38,14 +40,52 @@ from llm_operator.integrations._partition import (
     make_options,
     result_records,
     run_partition,
+    typed_value,
 )
+from llm_operator.integrations.json_values import ValueType
 from llm_operator.options import SCOPES, keyword_signature
 
-_SPARK_TYPES = {str: T.StringType(), int: T.IntegerType()}
+_SPARK_TYPES = {
+    str: T.StringType(),
+    int: T.IntegerType(),
+    float: T.DoubleType(),
+    dict: T.MapType(T.StringType(), T.DoubleType(), valueContainsNull=True),
+}
 RESULT_TYPE = T.StructType(
     [T.StructField(name, _SPARK_TYPES[kind], nullable=True) for name, kind in RESULT_FIELDS]
 )
-_NUMPY_TYPES = {str: object, int: np.int32}
+# object columns keep None as None (Arrow makes it null); ints are never missing
+_NUMPY_TYPES = {str: object, int: np.int32, float: object, dict: object}
+_SCALAR_TYPES = {
+    "string": T.StringType(),
+    "integer": T.LongType(),
+    "number": T.DoubleType(),
+    "boolean": T.BooleanType(),
+}
+
+
+def spark_value_type(node: ValueType) -> T.DataType:
+    """The Spark type of a JSON schema's values (json_values.value_type): objects are
+    structs of nullable fields in the schema's order, arrays are arrays."""
+    if node.kind == "object":
+        return T.StructType(
+            [
+                T.StructField(name, spark_value_type(sub), nullable=True)
+                for name, sub in node.properties
+            ]
+        )
+    if node.kind == "array":
+        return T.ArrayType(spark_value_type(node.items), containsNull=True)
+    assert node.kind in _SCALAR_TYPES, f"no Spark type for {node.kind!r} (typed with untyped=True?)"
+    return _SCALAR_TYPES[node.kind]
+
+
+def result_type(value_type: ValueType | None = None) -> T.StructType:
+    """RESULT_TYPE, plus a nullable ``value`` field of ``value_type``'s Spark type."""
+    if value_type is None:
+        return RESULT_TYPE
+    value = T.StructField(VALUE_FIELD, spark_value_type(value_type), nullable=True)
+    return T.StructType([*RESULT_TYPE.fields, value])  # (StructType.add would change RESULT_TYPE)
 
 
 def llm_infer(
@@ -53,9 +93,11 @@ def llm_infer(
     *,
     model: Any,
     engine_options: Mapping[str, Any] | None = None,
+    value: bool = True,
     **options: Any,
 ) -> Column:
-    """A struct column ``text, finish_reason, prompt_tokens, completion_tokens, error``.
+    """A struct column ``text, finish_reason, prompt_tokens, completion_tokens, error,
+    logprob, choice_logprobs``, and with ``json_schema`` (and ``value``) a ``value`` field.
 
     col: a column name or a Column expression (e.g. an ``F.format_string`` or
         ``F.concat`` template) of strings, or of chat message lists
@@ -63,7 +105,19 @@ def llm_infer(
     options: every engine, sampling and prompt option (``llm_operator.options``), e.g.
         ``backend``, ``max_batch_size``, ``max_tokens``, ``temperature``, ``stop``,
         ``seed``, ``chat``, ``system``; ``engine_options`` takes engine options as a mapping.
-    Options are validated here, on the driver, before any Spark job or model load.
+        Constrained outputs: ``choices`` (a list of strings), ``regex``, ``json_schema``
+        (a dict or JSON text), ``logprobs``.
+    value: with ``json_schema``, parse each row's JSON on the worker into the field
+        ``value``, typed from the schema (``out.value.name``; objects are structs, every
+        field nullable, integer is bigint, number is double; see
+        ``llm_operator.integrations.json_values``). A row whose text is not valid JSON
+        or does not fit gets a null ``value`` and ``error`` says why. ``value=False``
+        leaves the field out (then any schema the engine compiles works).
+    logprob: the output's log-probability under the unconstrained model (null unless
+    ``logprobs=True``); choice_logprobs: each choice's (null unless ``choices`` and
+    ``logprobs``).
+    Options are validated here, on the driver, before any Spark job or model load; so is
+    the schema's type (ValueError naming a part that has no single type, e.g. ``anyOf``).
     A null or empty prompt gives that row ``finish_reason="error"`` and a message. A
     column of another type raises TypeError naming the type inside the UDF, before any
     model loads (Spark reports it as a failed task); ``llm_infer_df`` raises it on the
@@ -71,14 +125,17 @@ def llm_infer(
     Tasks with a "gpu" resource run on ``cuda:<first address>``; other tasks run on CPU
     unless the ``device`` option names one.
     """
+    schema = options.get("json_schema")  # as given: its property order
     options = make_options(model=model, engine_options=engine_options, **options)
+    value_type = typed_value(schema, value)
+    return_type = result_type(value_type)
     column = _as_column(col, "col")
 
     def infer(batches: Iterator[pd.Series]) -> Iterator[pd.DataFrame]:
-        return infer_batches(batches, options)  # the closure holds only `options`
+        return infer_batches(batches, options, value_type)  # the closure holds only these
 
     infer.__name__ = "llm_infer"
-    return F.pandas_udf(infer, returnType=RESULT_TYPE)(column)
+    return F.pandas_udf(infer, returnType=return_type)(column)
 
 
 keyword_signature(llm_infer, SCOPES)
@@ -121,11 +178,13 @@ def check_prompt_type(data_type: T.DataType) -> None:
 
 
 # -- inside the Python worker -------------------------------------------------------
-def infer_batches(batches: Iterator[pd.Series], options: InferOptions) -> Iterator[pd.DataFrame]:
+def infer_batches(
+    batches: Iterator[pd.Series], options: InferOptions, value_type: ValueType | None = None
+) -> Iterator[pd.DataFrame]:
     """The UDF body: gather every batch of the partition, run them as one, yield per batch.
 
     Output frames have the input batches' sizes, in their order (Spark zips them back
-    onto the input rows).
+    onto the input rows); with ``value_type`` they end with the parsed ``value`` column.
     """
     sizes: list[int] = []
     values: list[Any] = []
@@ -138,11 +197,11 @@ def infer_batches(batches: Iterator[pd.Series], options: InferOptions) -> Iterat
     label = f"spark partition {context.partitionId()}" if context is not None else "spark batch"
     device = task_device(context, options)
     results = run_partition(values, options, device=device, label=label) if values else []
-    records = result_records(results)
+    records = result_records(results, value_type)
     assert len(records) == len(values), f"{label}: {len(records)} results, {len(values)} rows"
     start = 0
     for size in sizes:
-        yield _frame(records[start : start + size])
+        yield _frame(records[start : start + size], value_type is not None)
         start += size
 
 
@@ -187,13 +246,15 @@ def task_device(context: Any, options: InferOptions) -> str | None:
     return "cpu"
 
 
-def _frame(records: list[dict[str, Any]]) -> pd.DataFrame:
-    return pd.DataFrame(
-        {
-            name: pd.Series([r[name] for r in records], dtype=_NUMPY_TYPES[kind])
-            for name, kind in RESULT_FIELDS
-        }
-    )
+def _frame(records: list[dict[str, Any]], with_value: bool = False) -> pd.DataFrame:
+    """The UDF's output: one column per result field (values as dicts and lists)."""
+    columns = {
+        name: pd.Series([r[name] for r in records], dtype=_NUMPY_TYPES[kind])
+        for name, kind in RESULT_FIELDS
+    }
+    if with_value:
+        columns[VALUE_FIELD] = pd.Series([r[VALUE_FIELD] for r in records], dtype=object)
+    return pd.DataFrame(columns)
 
 
 def _show_worker_logs() -> None:

@@ -88,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="workload sizes (default: default, or quick with --quick; tiny fits a 256-token model)",
     )
     bench.add_argument("--systems", help="comma-separated systems, or 'all' (the default)")
-    bench.add_argument("--workloads", help="comma-separated workloads, or 'all' (the default)")
+    bench.add_argument(
+        "--workloads", help="comma-separated workloads, or 'all' (default: all but classify)"
+    )
     bench.add_argument("--repeat", type=int, default=1, help="runs per system; medians reported")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
@@ -133,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also run the rows through local, spark and dask side by side",
     )
+    demo.add_argument(
+        "--compare-free",
+        action="store_true",
+        help="also generate freely (no choices, up to a newline) and compare the labels",
+    )
     option_table.add_arguments(demo, ["engine"])
     return parser
 
@@ -158,7 +165,15 @@ def command_run(args) -> int:
     results, seconds, stats = generate(
         prompts, engine=args.engine, model=args.model, partitions=args.partitions, **options
     )
-    write_table(add_result_columns(table, results, args.output_col), args.output)
+    with_scores = bool(options.get("logprobs"))
+    table = add_result_columns(
+        table,
+        results,
+        args.output_col,
+        logprobs=with_scores,
+        choice_logprobs=with_scores and options.get("choices") is not None,
+    )
+    write_table(table, args.output)
     errors = sum(r.finish_reason == "error" for r in results)
     line = f"{len(results)} rows ({errors} errors) on {args.engine} in {seconds:.1f} s: "
     line += f"{len(results) / seconds:.2f} rows/s"
@@ -226,6 +241,7 @@ def command_demo(args) -> int:
         engine=args.engine,
         partitions=args.partitions,
         compare_engines=args.compare_engines,
+        compare_free=args.compare_free,
         options=option_table.from_arguments(args, ["engine"]),
     )
 

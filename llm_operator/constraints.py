@@ -120,6 +120,16 @@ class ChoiceState:
             return []
         return self.trie.tail(self.node)
 
+    def fork(self) -> ChoiceState:
+        """A copy that walks on without moving this one."""
+        copy = ChoiceState(self.trie, self.stop_token_ids)
+        copy.node, copy.chosen = self.node, self.chosen
+        return copy
+
+    def choose(self, index: int) -> None:
+        """The row's text is choice ``index`` (an engine that spelled it in other tokens)."""
+        self.chosen = index
+
     def complete(self, tokens: Sequence[int]) -> None:
         """``tokens`` (from ``remaining``) were appended: the choice is made."""
         for token in tokens:
@@ -144,6 +154,15 @@ class GrammarState:
         self.stop_token_ids = list(stop_token_ids)
         self.vocab_size = vocab_size
         self._filled = False
+
+    def fork(self) -> GrammarState:
+        """A copy (its own matcher and bitmask) that walks on without moving this one."""
+        copy = object.__new__(GrammarState)
+        copy.kind, copy.stop_token_ids, copy.vocab_size = (
+            self.kind, self.stop_token_ids, self.vocab_size
+        )  # fmt: skip
+        copy.matcher, copy.bitmask, copy._filled = self.matcher.fork(), self.bitmask.clone(), False
+        return copy
 
     def _fill(self) -> None:
         if not self._filled:

@@ -154,7 +154,7 @@ def _regex(name: str, value: Any) -> str | None:
 
 
 def _json_schema(name: str, value: Any) -> str | None:
-    """A dict or a JSON string, kept as canonical JSON text (hashable)."""
+    """A dict or a JSON string, kept as JSON text (hashable; properties in the given order)."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -164,7 +164,7 @@ def _json_schema(name: str, value: Any) -> str | None:
             raise ValueError(f"{name} is not valid JSON: {error}") from None
     if not isinstance(value, Mapping):
         raise TypeError(f"{name} must be a dict or a JSON object string, got {value!r:.80}")
-    text = json.dumps(value, sort_keys=True)
+    text = json.dumps(value)  # the user's property order: the model fills them in it
     from llm_operator.constraints import check_json_schema
 
     check_json_schema(text)

@@ -39,6 +39,8 @@ def prepare_prompts(
         elif isinstance(prompt, str):
             if prompt == "":
                 errors[row] = "prompt is empty"
+            elif (problem := invalid_text(prompt)) is not None:
+                errors[row] = f"prompt {problem}"
             else:
                 plain[row] = prompt
         elif is_messages(prompt):
@@ -46,6 +48,8 @@ def prepare_prompts(
                 chat[row] = render_chat(tokenizer, prompt)
             except ValueError as error:
                 errors[row] = str(error)
+        elif isinstance(prompt, (bytes, bytearray)):
+            errors[row] = "prompt is bytes, not text (was the input file not UTF-8?)"
         else:
             errors[row] = (
                 f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}"
@@ -76,12 +80,29 @@ def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]]) -> str:
     for message in messages:
         if not isinstance(message.get("content"), str) or not isinstance(message.get("role"), str):
             raise ValueError("each chat message needs a string 'role' and a string 'content'")
+        for key in ("role", "content"):
+            problem = invalid_text(message[key])
+            if problem is not None:
+                raise ValueError(f"chat message {key} {problem}")
     try:
         return tokenizer.apply_chat_template(
             list(messages), tokenize=False, add_generation_prompt=True
         )
     except Exception as error:  # the template's own checks (e.g. role order)
         raise ValueError(f"chat template failed: {error}") from error
+
+
+def invalid_text(text: str) -> str | None:
+    """Why ``text`` cannot be tokenized (a lone surrogate, which no UTF-8 text holds: what a
+    JSON file with a bad ``\\ud800`` escape gives Python), or None when it can."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return (
+            f"is not valid text: it holds a lone surrogate "
+            f"(U+{ord(text[error.start]):04X}) at character {error.start}"
+        )
+    return None
 
 
 def as_chat(values: Sequence[Any], *, chat: bool = False, system: str | None = None) -> list[Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import string
 from collections.abc import Sequence
 from pathlib import Path
@@ -58,11 +59,9 @@ def write_table(table: pa.Table, path: str | Path) -> None:
 
         pacsv.write_csv(table, path)
     else:
-        import json
-
         with open(path, "w", encoding="utf-8") as f:
             for row in table.to_pylist():
-                f.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
+                f.write(_json_line(row))
 
 
 def template_fields(template: str) -> list[str]:
@@ -106,8 +105,17 @@ def prompts_from_table(
     return prompts
 
 
-def add_result_columns(table: pa.Table, results: Sequence, output: str) -> pa.Table:
-    """Append ``{output}``, ``{output}_finish_reason``, ``_prompt_tokens``, ``_completion_tokens``, ``_error``."""
+def add_result_columns(
+    table: pa.Table,
+    results: Sequence,
+    output: str,
+    *,
+    logprobs: bool = False,
+    choice_logprobs: bool = False,
+) -> pa.Table:
+    """Append ``{output}``, ``{output}_finish_reason``, ``_prompt_tokens``, ``_completion_tokens``,
+    ``_error``; with ``logprobs``, ``_logprob`` (double); with ``choice_logprobs``,
+    ``_choice_logprobs`` (JSON text: {"choice": log-probability, ...}; null where none)."""
     columns = {
         output: pa.array([r.text for r in results], pa.string()),
         f"{output}_finish_reason": pa.array([r.finish_reason for r in results], pa.string()),
@@ -115,6 +123,14 @@ def add_result_columns(table: pa.Table, results: Sequence, output: str) -> pa.Ta
         f"{output}_completion_tokens": pa.array([r.completion_tokens for r in results], pa.int32()),
         f"{output}_error": pa.array([r.error for r in results], pa.string()),
     }
+    if logprobs:
+        columns[f"{output}_logprob"] = pa.array([r.logprob for r in results], pa.float64())
+    if choice_logprobs:
+        texts = [
+            None if r.choice_logprobs is None else json.dumps(r.choice_logprobs, ensure_ascii=False)
+            for r in results
+        ]
+        columns[f"{output}_choice_logprobs"] = pa.array(texts, pa.string())
     for name, column in columns.items():
         if name in table.column_names:
             raise ValueError(
@@ -122,3 +138,16 @@ def add_result_columns(table: pa.Table, results: Sequence, output: str) -> pa.Ta
             )
         table = table.append_column(name, column)
     return table
+
+
+# characters str.splitlines() and some JSON Lines readers take for line breaks
+_LINE_BREAKS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
+def _json_line(row: dict) -> str:
+    """One JSON Lines record: UTF-8 text, but the unicode line separators escaped, so that
+    any line reader sees one record per line."""
+    text = json.dumps(row, ensure_ascii=False, default=str)
+    for char, escaped in _LINE_BREAKS.items():
+        text = text.replace(char, escaped)
+    return text + "\n"

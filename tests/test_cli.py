@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -237,3 +238,119 @@ def test_bench_help_lists_every_workload_and_system(capsys):
         entry = [line for line in lines if line.split()[:1] == [name]]
         assert len(entry) == 1, name
         assert len(entry[0].split()) > 1, name
+
+
+# -- constrained outputs: --choices, --regex, --json-schema FILE, --logprobs ---------------
+CLOSED_SCHEMA = {  # a random tiny model completes it within a few dozen tokens
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "label": {"enum": ["red", "blue"]}},
+    "required": ["ok", "label"],
+}
+REGEX = r"(yes|no), [0-9]{2,3}"
+LABELS = ("positive", "negative", "neutral")
+BASE_COLUMNS = [
+    "id",
+    "text",
+    "out",
+    "out_finish_reason",
+    "out_prompt_tokens",
+    "out_completion_tokens",
+    "out_error",
+]
+
+
+def _run_constrained(engine: str, source, folder, model_dir) -> dict[str, list[dict]]:
+    """The first 3 rows (row 2's text is null) under each constraint, on ``engine``."""
+    schema_file = folder / "schema.json"
+    schema_file.write_text(json.dumps(CLOSED_SCHEMA))
+    runs = {
+        "choices": ["--choices", "positive, negative,neutral", "--logprobs", "--max-tokens", "8"],
+        "regex": ["--regex", REGEX, "--max-tokens", "24"],
+        "json": ["--json-schema", str(schema_file), "--max-tokens", "60", "--logprobs"],
+    }
+    outputs = {}
+    for name, flags in runs.items():
+        out = folder / f"{engine}-{name}.jsonl"
+        argv = ["run", str(source), "--template", SYSTEM + "Review: {text}\nSentiment:"]
+        argv += ["--limit", "3", "--output", str(out), "--model", str(model_dir)]
+        argv += ["--no-progress", "--engine", engine, *flags]
+        assert main(argv) == 0, (engine, name)
+        outputs[name] = [json.loads(line) for line in out.read_text().splitlines()]
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def constrained_local(tiny_llama_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("constrained-local")
+    source = folder / "reviews.parquet"
+    texts = ["Great value for the price.", "The box arrived crushed.", None]
+    pq.write_table(pa.table({"id": [0, 1, 2], "text": texts}), source)
+    return _run_constrained("local", source, folder, tiny_llama_dir)
+
+
+def test_constraint_flags_on_the_local_engine(constrained_local):
+    choices, regex, schema = (constrained_local[k] for k in ("choices", "regex", "json"))
+    # --choices with --logprobs: the label, its log-probability and every choice's (JSON text)
+    assert list(choices[0]) == [*BASE_COLUMNS, "out_logprob", "out_choice_logprobs"]
+    for row in choices[:2]:
+        assert row["out"] in LABELS and row["out_finish_reason"] == "stop"
+        assert row["out_logprob"] < 0
+        scores = json.loads(row["out_choice_logprobs"])
+        assert set(scores) == set(LABELS) and all(score < 0 for score in scores.values())
+    assert choices[2]["out_finish_reason"] == "error" and choices[2]["out_logprob"] is None
+    assert choices[2]["out_choice_logprobs"] is None
+    # --regex: no scores asked, none written
+    assert list(regex[0]) == BASE_COLUMNS
+    assert all(re.fullmatch(REGEX, row["out"]) for row in regex[:2])
+    # --json-schema FILE with --logprobs: JSON text, a log-probability, no choice scores
+    assert list(schema[0]) == [*BASE_COLUMNS, "out_logprob"]
+    for row in schema[:2]:
+        value = json.loads(row["out"])
+        assert isinstance(value["ok"], bool) and value["label"] in ("red", "blue")
+        assert row["out_error"] is None and row["out_logprob"] < 0
+
+
+@pytest.mark.parametrize("engine", ["dask", "spark"])
+def test_constraint_flags_on_spark_and_dask_equal_local(
+    engine, constrained_local, tiny_llama_dir, tmp_path, request
+):
+    if engine == "spark":
+        request.getfixturevalue("spark")  # share the suite's session
+    source = tmp_path / "reviews.parquet"
+    texts = ["Great value for the price.", "The box arrived crushed.", None]
+    pq.write_table(pa.table({"id": [0, 1, 2], "text": texts}), source)
+    outputs = _run_constrained(engine, source, tmp_path, tiny_llama_dir)
+    for name, rows in outputs.items():
+        local = constrained_local[name]
+        assert [list(row) for row in rows] == [list(row) for row in local], name
+        for row, want in zip(rows, local):
+            for key in ("id", "out", "out_finish_reason", "out_completion_tokens", "out_error"):
+                assert row[key] == want[key], (name, key)
+            if want.get("out_logprob") is not None:
+                assert row["out_logprob"] == pytest.approx(want["out_logprob"], abs=1e-4)
+            if want.get("out_choice_logprobs") is not None:
+                got_scores = json.loads(row["out_choice_logprobs"])
+                assert got_scores == pytest.approx(
+                    json.loads(want["out_choice_logprobs"]), abs=1e-4
+                )
+
+
+def test_a_bad_constraint_flag_fails_before_any_work(tiny_llama_dir, reviews_csv, tmp_path, capsys):
+    schema_file = tmp_path / "bad.json"
+    schema_file.write_text('{"type": "objekt"}')
+    for flags, message in (
+        (["--json-schema", str(schema_file)], "json_schema"),
+        (["--json-schema", str(tmp_path / "missing.json")], "cannot read"),
+        (["--regex", "[0-9"], "regex"),
+        (["--choices", "a,a"], "duplicates"),
+        (["--choices", "a", "--regex", "a"], "at most one"),
+    ):
+        argv = ["run", str(reviews_csv), "--prompt-col", "text", "--model", str(tiny_llama_dir)]
+        argv += ["--output", str(tmp_path / "o.jsonl"), *flags]
+        try:
+            code = main(argv)
+        except SystemExit as exit_info:  # argparse refuses an unreadable file itself
+            code = exit_info.code
+        assert code == 2, flags
+        assert message in capsys.readouterr().err, flags
+        assert not (tmp_path / "o.jsonl").exists()

@@ -3,6 +3,7 @@ processes), meta and empty partitions, bad input, one engine per worker, co_loca
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
@@ -10,6 +11,7 @@ import random
 
 import dask
 import dask.dataframe as dd
+import numpy as np
 import pandas as pd
 import pytest
 from distributed import Client, LocalCluster
@@ -222,3 +224,111 @@ def test_co_locate_sample_is_deterministic():
         for _ in range(2)
     ]
     assert runs[0].index.tolist() == runs[1].index.tolist()
+
+
+# -- constrained outputs ------------------------------------------------------------------
+# closed schemas: a random tiny model completes them within a few tokens
+TYPED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "label": {"enum": ["red", "blue"]},
+        "detail": {
+            "type": "object",
+            "properties": {"urgent": {"type": "boolean"}},
+            "required": ["urgent"],
+        },
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["ok", "label", "detail", "tags"],
+}
+# no single type for "x": Spark refuses it; Dask keeps the parsed JSON as it is
+UNION_SCHEMA = {
+    "type": "object",
+    "properties": {"x": {"anyOf": [{"type": "boolean"}, {"enum": ["a", "b"]}]}},
+    "required": ["x"],
+}
+CHOICES = ("billing", "shipping", "tech support")
+
+
+def test_constrained_columns_match_the_operator_with_meta(model_dir):
+    prompts = shared_prefix_prompts(6)
+    frame = pd.DataFrame({"prompt": prompts})
+    ddf = dd.from_pandas(frame, npartitions=2)
+    runs = {  # output -> sampling options
+        "typed": dict(max_tokens=100, json_schema=TYPED_SCHEMA, logprobs=True),
+        "pick": dict(max_tokens=8, choices=CHOICES, logprobs=True),
+        "union": dict(max_tokens=40, json_schema=UNION_SCHEMA),
+        "cut": dict(max_tokens=3, json_schema=TYPED_SCHEMA),
+        "plain": dict(max_tokens=4),
+    }
+    result = ddf
+    for output, options in runs.items():
+        result = llm_dask.llm_infer(result, "prompt", output=output, model=model_dir, **options)
+    computed = result.compute(scheduler="sync")
+    assert computed.dtypes.to_dict() == result.dtypes.to_dict()
+    assert list(computed.columns) == list(result.columns)
+    for output in runs:
+        assert result.dtypes[f"{output}_logprob"] == "float64"
+        assert result.dtypes[f"{output}_choice_logprobs"] == "object"
+    assert [c for c in result.columns if c.endswith("_value")] == [
+        "typed_value",
+        "union_value",
+        "cut_value",
+    ]
+    assert result.dtypes["typed_value"] == "object"
+
+    operator = LLMOperator(model_dir)
+    expected = {
+        output: operator.generate(prompts, SamplingParams(**options))
+        for output, options in runs.items()
+    }
+    for row, (_, got) in enumerate(computed.iterrows()):
+        for output, results in expected.items():
+            want = results[row]
+            assert got[output] == want.text, (output, row)
+            assert got[f"{output}_finish_reason"] == want.finish_reason
+            if want.logprob is None:
+                assert np.isnan(got[f"{output}_logprob"])
+            else:
+                assert got[f"{output}_logprob"] == pytest.approx(want.logprob, abs=1e-4)
+        # typed: every row completes; the value is the text's JSON
+        assert pd.isna(got["typed_error"])
+        assert got["typed_value"] == json.loads(got["typed"])
+        assert set(got["typed_value"]["detail"]) == {"urgent"}
+        # choices with logprobs: every choice's log-probability, the pick among them
+        assert got["pick"] in CHOICES
+        assert set(got["pick_choice_logprobs"]) == set(CHOICES)
+        for choice, logprob in got["pick_choice_logprobs"].items():
+            assert logprob == pytest.approx(expected["pick"][row].choice_logprobs[choice], abs=1e-4)
+        assert got["typed_choice_logprobs"] is None and got["plain_choice_logprobs"] is None
+        # a part with no single type is kept as parsed
+        assert got["union_value"] == json.loads(got["union"])
+        assert got["union_value"]["x"] in (True, False, "a", "b")
+        # cut by max_tokens: no value, and the error says why
+        assert got["cut_finish_reason"] == "length" and got["cut_value"] is None
+        assert "not valid" in got["cut_error"]
+
+
+def test_empty_partition_with_a_value_column(model_dir):
+    frame = pd.DataFrame({"prompt": shared_prefix_prompts(4)})
+    ddf = dd.from_pandas(frame, npartitions=2)
+    result = llm_dask.llm_infer(
+        ddf[ddf["prompt"] == "no such prompt"], "prompt", model=model_dir, json_schema=UNION_SCHEMA
+    )
+    nothing = result.compute(scheduler="sync")
+    assert nothing.empty and nothing.dtypes.to_dict() == result.dtypes.to_dict()
+    assert "out_value" in nothing.columns
+
+
+def test_value_false_and_bad_value_argument(model_dir):
+    ddf = dd.from_pandas(pd.DataFrame({"prompt": ["a"]}), npartitions=1)
+    plain = llm_dask.llm_infer(
+        ddf, "prompt", model=model_dir, json_schema=UNION_SCHEMA, value=False
+    )
+    assert "out_value" not in plain.columns
+    with pytest.raises(TypeError, match="value must be a bool"):
+        llm_dask.llm_infer(ddf, "prompt", model=model_dir, json_schema=UNION_SCHEMA, value="yes")
+    existing = dd.from_pandas(pd.DataFrame({"prompt": ["a"], "out_value": [1]}), npartitions=1)
+    with pytest.raises(ValueError, match="out_value"):
+        llm_dask.llm_infer(existing, "prompt", model=model_dir, json_schema=UNION_SCHEMA)

@@ -1,4 +1,5 @@
-"""The examples run: the ETL notebook top to bottom, the Dask and Spark quickstarts.
+"""The examples run: the ETL notebook top to bottom (Dask, then a Spark extraction into
+typed columns), the Dask and Spark quickstarts.
 
 All use the tiny random Llama fixture, so they check that the examples work, not what
 the labels are. The notebook and the Dask quickstart use a copy with its context raised
@@ -107,6 +108,12 @@ def test_etl_notebook_runs(
     assert "prefix-sharing plan" in printed
     assert "0 error rows" in printed
     assert "every text equals the direct result" in printed
+    # the Spark extraction: the schema's types, and every row's JSON typed (closed enough
+    # for the random model: enums, a boolean, a bounded array and a bounded string)
+    assert (
+        "struct<sentiment:string,complaint:boolean,topics:array<string>,product:string>" in printed
+    )
+    assert "Spark: typed values for 6 of 6 rows" in printed, printed
 
 
 @pytest.mark.parametrize("extra", [[], ["--scheduler", "threads"], ["--cluster"]])

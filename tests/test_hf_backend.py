@@ -329,3 +329,19 @@ def test_budget_limited_admission_reuses_and_appends_rows(tiny_qwen2_dir):
                 for prompt, p in zip(prompts, params)
             ]
         assert [list(r.token_ids) for r in results] == expected
+
+
+def test_a_lone_surrogate_is_an_error_row_and_the_rest_complete(tiny_llama_dir) -> None:
+    """A JSON file with a bad \\ud800 escape gives Python such strings; the tokenizer raises
+    TypeError on them, which once took the whole batch down."""
+    from llm_operator import LLMOperator, SamplingParams
+
+    op = LLMOperator(tiny_llama_dir, backend="hf")
+    prompts = ["abc\ud800def", "The weather today is", [{"role": "user", "content": "x\udfffy"}]]
+    results = op.generate(prompts, SamplingParams(max_tokens=3))
+    assert results[0].finish_reason == "error" and "U+D800" in results[0].error
+    assert "character 3" in results[0].error
+    assert results[1].finish_reason in ("stop", "length") and results[1].completion_tokens > 0
+    assert results[2].finish_reason == "error" and "U+DFFF" in results[2].error
+    alone = op.generate(["The weather today is"], SamplingParams(max_tokens=3))
+    assert results[1] == alone[0]

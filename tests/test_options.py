@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 from dataclasses import fields
 from pathlib import Path
 
@@ -39,14 +40,26 @@ PROBES = {
     "stop": ("zz",),
     "seed": 11,
     "ignore_eos": True,
+    "choices": ("yes", "no"),
+    "logprobs": True,
     "chat": True,
     "system": "Be brief.",
 }
 
+# constraints exclude each other: the others are probed in place of choices
+EXCLUSIVE = {
+    "regex": "(yes|no)",
+    "json_schema": {"type": "object", "properties": {"ok": {"type": "boolean"}}},
+}
+VARIANTS = [PROBES] + [
+    {**{k: v for k, v in PROBES.items() if k != "choices"}, name: value}
+    for name, value in EXCLUSIVE.items()
+]
+
 
 def test_every_option_has_a_probe_value_other_than_its_default() -> None:
-    assert set(PROBES) == set(option_table.BY_NAME)
-    for name, value in PROBES.items():
+    assert set(PROBES) | set(EXCLUSIVE) == set(option_table.BY_NAME)
+    for name, value in {**PROBES, **EXCLUSIVE}.items():
         assert value != option_table.BY_NAME[name].default, name
 
 
@@ -109,8 +122,8 @@ def test_every_option_reaches_the_worker_operator(tiny_llama_dir) -> None:
     ]
 
 
-def _expected(model: Path) -> _partition.InferOptions:
-    scoped = option_table.split(PROBES)
+def _expected(model: Path, probes: dict = PROBES) -> _partition.InferOptions:
+    scoped = option_table.split(probes)
     return _partition.InferOptions(
         model=str(model),
         engine=EngineConfig(**scoped["engine"]),
@@ -149,25 +162,34 @@ def _dask_frame():
     return dd.from_pandas(pd.DataFrame({"prompt": ["a", "b"]}), npartitions=1)
 
 
-def test_spark_and_dask_llm_infer_take_every_option(monkeypatch, tiny_llama_dir, spark) -> None:
+@pytest.mark.parametrize("probes", VARIANTS, ids=["choices", "regex", "json_schema"])
+def test_spark_and_dask_llm_infer_take_every_option(
+    monkeypatch, tiny_llama_dir, spark, probes
+) -> None:
     from llm_operator.integrations import dask, spark
 
     seen = _spy(monkeypatch, after_calls=99)
-    spark.llm_infer("prompt", model=str(tiny_llama_dir), **PROBES)
-    dask.llm_infer(_dask_frame(), "prompt", model=str(tiny_llama_dir), **PROBES)
+    spark.llm_infer("prompt", model=str(tiny_llama_dir), **probes)
+    dask.llm_infer(_dask_frame(), "prompt", model=str(tiny_llama_dir), **probes)
     # the older spelling: engine options as one mapping
-    engine = {k: v for k, v in PROBES.items() if k in option_table.defaults("engine")}
-    rest = {k: v for k, v in PROBES.items() if k not in engine}
+    engine = {k: v for k, v in probes.items() if k in option_table.defaults("engine")}
+    rest = {k: v for k, v in probes.items() if k not in engine}
     spark.llm_infer("prompt", model=str(tiny_llama_dir), engine_options=engine, **rest)
-    assert seen == [_expected(tiny_llama_dir)] * 3
+    assert seen == [_expected(tiny_llama_dir, probes)] * 3
 
 
-def _cli_arguments(probes: dict) -> list[str]:
+def _cli_arguments(probes: dict, folder: Path) -> list[str]:
     """PROBES as command-line flags, built from the table's own spellings."""
     argv: list[str] = []
     for name, value in probes.items():
         option = option_table.BY_NAME[name]
-        if option.cli == "flag":
+        if name == "choices":
+            argv += [option.flag, ",".join(value)]
+        elif name == "json_schema":  # the CLI reads it from a file
+            schema = folder / "schema.json"
+            schema.write_text(json.dumps(value))
+            argv += [option.flag, str(schema)]
+        elif option.cli == "flag":
             argv.append(option.flag if value else "--no-" + option.flag[2:])
         elif option.cli == "append":
             for item in value:
@@ -180,9 +202,13 @@ def _cli_arguments(probes: dict) -> list[str]:
     return argv
 
 
-@pytest.mark.parametrize("engine", ["local", "spark", "dask"])
+@pytest.mark.parametrize(
+    "engine, probes",
+    [("local", v) for v in VARIANTS] + [("spark", PROBES), ("dask", PROBES)],
+    ids=["local-choices", "local-regex", "local-json_schema", "spark", "dask"],
+)
 def test_the_cli_passes_every_option_to_every_engine(
-    engine, monkeypatch, tiny_llama_dir, tmp_path, request
+    engine, probes, monkeypatch, tiny_llama_dir, tmp_path, request
 ) -> None:
     """The CLI's options reach the engine's own llm_infer (spark, dask) or the operator
     (local): `--engine spark --backend hf` once lost --backend."""
@@ -194,10 +220,11 @@ def test_the_cli_passes_every_option_to_every_engine(
     # engine's llm_infer checks them again on the way to the workers
     seen = _spy(monkeypatch, after_calls=1 if engine == "local" else 2)
     argv = ["run", str(table), "--prompt-col", "p", "--output", str(tmp_path / "o.parquet")]
-    argv += ["--engine", engine, "--model", str(tiny_llama_dir), *_cli_arguments(PROBES)]
+    argv += ["--engine", engine, "--model", str(tiny_llama_dir)]
+    argv += _cli_arguments(probes, tmp_path)
     with pytest.raises(_Captured):
         main(argv)
-    assert seen[-1] == _expected(tiny_llama_dir)
+    assert seen[-1] == _expected(tiny_llama_dir, probes)
     assert len(seen) == (1 if engine == "local" else 2)
 
 

@@ -4,6 +4,7 @@ worker, task retries. All Spark tests share the session-scoped ``spark`` fixture
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import sys
@@ -23,14 +24,19 @@ from pyspark.sql import types as T  # noqa: E402
 import llm_operator.integrations.spark as spark_module  # noqa: E402
 from llm_operator import LLMOperator, SamplingParams  # noqa: E402
 from llm_operator.integrations._partition import RESULT_FIELDS, make_options  # noqa: E402
+from llm_operator.integrations.json_values import value_type  # noqa: E402
 from llm_operator.integrations.spark import (  # noqa: E402
+    RESULT_TYPE,
     check_prompt_type,
     co_locate,
     infer_batches,
     llm_infer,
     llm_infer_df,
+    result_type,
+    spark_value_type,
     task_device,
 )
+from llm_operator.results import GenerationResult  # noqa: E402
 
 # Workers cannot import this test module: ship the functions defined here by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -266,6 +272,170 @@ def test_null_and_empty_prompts_get_error_rows(spark, model_dir, reference):
         assert by_id[bad]["completion_tokens"] == 0
     expected = reference([PROMPTS[0], PROMPTS[1], PROMPTS[2]])
     assert [by_id[i].asDict() for i in (0, 2, 4)] == expected
+
+
+# -- constrained outputs ------------------------------------------------------------
+# closed: a random tiny model completes it (booleans, enums, a bounded array) in ~70 tokens
+TYPED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "label": {"enum": ["red", "blue"]},
+        "detail": {
+            "type": "object",
+            "properties": {"urgent": {"type": "boolean"}},
+            "required": ["urgent"],
+        },
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["ok", "label", "detail", "tags"],
+}
+# every type the value maps, for the conversion test (texts are given, not generated)
+EVERY_TYPE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "height": {"type": ["number", "null"]},
+        "member": {"type": "boolean"},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "zips": {"type": "array", "items": {"type": "integer"}},
+            },
+        },
+        "scores": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
+        "friends": {
+            "type": "array",
+            "items": {"type": "object", "properties": {"name": {"type": "string"}}},
+        },
+    },
+    "required": ["name"],
+}
+CHOICES = ("billing", "shipping", "tech support")
+
+
+def test_value_types_map_to_spark_types():
+    every = spark_value_type(value_type(EVERY_TYPE_SCHEMA))
+    assert every.simpleString() == (
+        "struct<name:string,age:bigint,height:double,member:boolean,"
+        "address:struct<city:string,zips:array<bigint>>,scores:array<array<double>>,"
+        "friends:array<struct<name:string>>>"
+    )
+    assert all(field.nullable for field in every.fields)  # required or not
+    assert RESULT_TYPE["logprob"].dataType == T.DoubleType()
+    assert RESULT_TYPE["choice_logprobs"].dataType == T.MapType(T.StringType(), T.DoubleType())
+    assert result_type(None) == RESULT_TYPE
+    typed = result_type(value_type(TYPED_SCHEMA))
+    assert typed.fieldNames() == [*FIELDS, "value"]
+    assert RESULT_TYPE.fieldNames() == FIELDS  # left as it was
+    # the user's property order, not the canonical (sorted) one the options keep
+    assert typed["value"].dataType.fieldNames() == ["ok", "label", "detail", "tags"]
+
+
+def test_infer_batches_types_values_and_says_why_not(spark, model_dir, monkeypatch):
+    """Given texts through the UDF body, then through Arrow into the Spark type."""
+    texts = [
+        '{"name": "Ada", "age": 36, "height": 1.7, "member": true, "address": {"city": "X",'
+        ' "zips": [1, 2]}, "scores": [[1, 2.5], []], "friends": [{"name": "Bo"}]}',
+        '{"name": "Bo", "age": 5.0, "height": null, "extra": 1}',
+        '{"name": "Cy", "age": "5"}',
+        '{"name": "Di", "age": 5',
+    ]
+    results = [GenerationResult(text, (1,), "stop", 4, 9, logprob=-2.0) for text in texts]
+    results.append(GenerationResult("{", (1,), "length", 4, 1, "the output is not valid: cut"))
+    results.append(GenerationResult.failed("prompt is null"))
+    monkeypatch.setattr(spark_module, "run_partition", lambda values, *a, **k: results)
+    node = value_type(EVERY_TYPE_SCHEMA)
+    options = make_options(model=model_dir, json_schema=EVERY_TYPE_SCHEMA)
+    batches = [pd.Series(["p"] * 4), pd.Series(["p", None])]
+    frame = pd.concat(list(infer_batches(iter(batches), options, node)), ignore_index=True)
+    assert list(frame.columns) == [*FIELDS, "value"]
+    rows = spark.createDataFrame(frame, result_type(node)).collect()  # Arrow, as the UDF's
+    values = [row["value"] for row in rows]
+    assert values[0].asDict(recursive=True) == {
+        "name": "Ada", "age": 36, "height": 1.7, "member": True,
+        "address": {"city": "X", "zips": [1, 2]}, "scores": [[1.0, 2.5], []],
+        "friends": [{"name": "Bo"}],
+    }  # fmt: skip
+    assert values[1].asDict(recursive=True) == {
+        "name": "Bo", "age": 5, "height": None, "member": None, "address": None,
+        "scores": None, "friends": None,
+    }  # fmt: skip
+    assert values[2:] == [None] * 4
+    errors = [row["error"] for row in rows]
+    assert errors[:2] == [None, None]
+    assert "does not fit json_schema: value.age: expected an integer" in errors[2]
+    assert "not valid JSON" in errors[3]
+    assert errors[4:] == ["the output is not valid: cut", "prompt is null"]  # kept
+    assert [row["logprob"] for row in rows] == [-2.0] * 4 + [None, None]
+
+
+def test_untypable_schema_is_refused_on_the_driver(spark, model_dir):
+    union = {
+        "type": "object",
+        "properties": {"x": {"anyOf": [{"type": "string"}, {"type": "integer"}]}},
+    }
+    df = spark.createDataFrame([("a",)], "prompt string")
+    with job_group(spark, "llm-untypable") as tracker:
+        with pytest.raises(ValueError, match=r"json_schema\.properties\.x: 'anyOf'.*value=False"):
+            llm_infer("prompt", model=model_dir, json_schema=union)
+        with pytest.raises(TypeError, match="value must be a bool"):
+            llm_infer("prompt", model=model_dir, json_schema=union, value=1)
+        assert tracker.getJobIdsForGroup("llm-untypable") == []
+    plain = df.select(
+        llm_infer("prompt", model=model_dir, json_schema=union, value=False).alias("o")
+    )
+    assert plain.schema["o"].dataType == RESULT_TYPE  # no job: only the schema
+
+
+def test_constrained_outputs_match_the_operator(spark, model_dir):
+    prompts = PROMPTS[::7][:6]
+    df = spark.createDataFrame(list(enumerate(prompts)), "id int, prompt string").repartition(
+        2, "id"
+    )
+    runs = {  # column -> options
+        "typed": dict(max_tokens=100, json_schema=TYPED_SCHEMA, logprobs=True),
+        "pick": dict(max_tokens=8, choices=CHOICES, logprobs=True),
+        "cut": dict(max_tokens=3, json_schema=json.dumps(TYPED_SCHEMA)),
+        "plain": dict(max_tokens=4),
+    }
+    out = df.select(
+        "id", *(llm_infer("prompt", model=model_dir, **o).alias(c) for c, o in runs.items())
+    )
+    assert out.schema["typed"].dataType == result_type(value_type(TYPED_SCHEMA))
+    assert out.schema["cut"].dataType == out.schema["typed"].dataType
+    assert out.schema["pick"].dataType == RESULT_TYPE
+    rows = sorted(out.collect(), key=lambda row: row["id"])
+    nested = {
+        row["id"]: row[1:]
+        for row in out.select(
+            "id", "typed.value.detail.urgent", "typed.value.tags", "typed.value.label"
+        ).collect()
+    }
+    operator = LLMOperator(model_dir)
+    expected = {c: operator.generate(prompts, SamplingParams(**o)) for c, o in runs.items()}
+    for row in rows:
+        for column, results in expected.items():
+            want, got = results[row["id"]], row[column]
+            assert (got["text"], got["finish_reason"]) == (want.text, want.finish_reason), column
+            if want.logprob is None:
+                assert got["logprob"] is None, column
+            else:
+                assert got["logprob"] == pytest.approx(want.logprob, abs=1e-4), column
+        typed = row["typed"]
+        assert typed["error"] is None and typed["finish_reason"] == "stop"
+        assert typed["value"].asDict(recursive=True) == json.loads(typed["text"])
+        data = json.loads(typed["text"])
+        assert nested[row["id"]] == (data["detail"]["urgent"], data["tags"], data["label"])
+        assert row["pick"]["text"] in CHOICES
+        want_scores = expected["pick"][row["id"]].choice_logprobs
+        assert row["pick"]["choice_logprobs"] == pytest.approx(want_scores, abs=1e-4)
+        assert row["typed"]["choice_logprobs"] is None and row["plain"]["choice_logprobs"] is None
+        cut = row["cut"]
+        assert cut["finish_reason"] == "length" and cut["value"] is None
+        assert "not valid" in cut["error"]
 
 
 def test_engine_is_built_once_per_python_worker(spark, frame, model_dir):

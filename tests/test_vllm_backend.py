@@ -1,4 +1,5 @@
-"""backend="vllm": greedy equality, the wave plan against vLLM's LRU, error rows, one engine.
+"""backend="vllm": greedy equality, the wave plan against vLLM's LRU, error rows, one engine,
+constrained outputs and logprobs.
 
 Runs where ``import vllm`` works (``make test-vllm`` runs it in .venv-vllm); elsewhere only
 the tests that need no vLLM run. One engine serves the module's operator (starting one
@@ -13,8 +14,10 @@ a tiny Llama with head_dim 64, as in test_bench_vllm.py.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -258,6 +261,195 @@ def test_wave_plan_keeps_every_prefix_while_plain_shuffled_submission_loses_hits
         assert list(output.token_ids) == by_row[tuple(request.token_ids)]
 
 
+# -- constrained outputs and logprobs ---------------------------------------------------
+C_PROMPTS = [
+    "The weather today is",
+    "Classify the review: the battery died after a day. Label:",
+    "Classify the review: great screen, fast delivery. Label:",
+    "Route the ticket: my invoice is wrong. Team:",
+]
+CHOICES = ("billing team", "billing", "shipping", "tech support", "red")
+REGEX = r"(yes|no), [0-9]{2,3}"
+# one a random tiny model completes within a few tokens (free strings and integers run on)
+CLOSED_SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "label": {"enum": ["red", "blue"]}},
+    "required": ["ok", "label"],
+}
+OPEN_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+
+
+@pytest.fixture(scope="module")
+def reference(vllm_llama_dir: Path):
+    from helpers import _load_reference_model
+
+    return _load_reference_model(str(vllm_llama_dir.resolve()))
+
+
+def _hf_constrained(model, ids: list[int], max_new_tokens: int, compiled, eos: list[int]):
+    """Greedy HF ``generate`` under xgrammar's logits processor for ``compiled``."""
+    from transformers import LogitsProcessorList
+    from xgrammar.contrib.hf import LogitsProcessor as GrammarProcessor
+
+    input_ids = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            logits_processor=LogitsProcessorList([GrammarProcessor(compiled)]),
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def _unconstrained_logprob(model, ids: list[int], tokens: list[int]) -> float:
+    """log P(tokens | ids) under the model, without any mask."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + list(tokens)])).logits[0].float()
+    log_probs = torch.log_softmax(logits, -1)
+    return sum(log_probs[len(ids) - 1 + i, t].item() for i, t in enumerate(tokens))
+
+
+def _same_as_hf(result, hf_tokens: list[int], eos: list[int]) -> None:
+    """vLLM's tokens are HF's, less the end token a row that had nothing else left drops."""
+    n = len(result.token_ids)
+    assert list(result.token_ids) == hf_tokens[:n], (result, hf_tokens)
+    assert hf_tokens[n:] in ([], [hf_tokens[-1]]) and (n == len(hf_tokens) or hf_tokens[n] in eos)
+
+
+def _vllm_choice_grammar(operator, choices):
+    """The grammar vLLM builds for ``choices`` (a grammar over the strings), compiled as
+    vLLM's xgrammar backend compiles it."""
+    import xgrammar
+    from vllm.v1.structured_output.utils import choice_as_grammar
+
+    info = xgrammar.TokenizerInfo.from_huggingface(
+        operator.tokenizer,
+        vocab_size=operator.model_config.vocab_size,
+        stop_token_ids=sorted(operator.model_info.eos_token_ids),
+    )
+    return xgrammar.GrammarCompiler(info).compile_grammar(choice_as_grammar(list(choices)))
+
+
+@needs_vllm
+def test_choices_match_generate_with_vllm_s_choice_grammar(operator, backend, reference) -> None:
+    free = SamplingParams(max_tokens=6)
+    params = SamplingParams(max_tokens=16, choices=CHOICES)
+    results = operator.generate(C_PROMPTS + PROMPTS[:1], [params] * len(C_PROMPTS) + [free])
+    compiled = _vllm_choice_grammar(operator, CHOICES)
+    eos = sorted(operator.model_info.eos_token_ids)
+    canonical = operator.constraints().choice_tokens(CHOICES)
+    for ids, result in zip(operator.tokenize(C_PROMPTS), results):
+        hf_tokens = _hf_constrained(reference, ids, 16, compiled, eos)
+        _same_as_hf(result, hf_tokens, eos)
+        text = operator.tokenizer.decode(hf_tokens, skip_special_tokens=True)
+        assert result.text == text and text in CHOICES, (result, text)
+        assert result.finish_reason == "stop" and result.error is None
+        # no other choice extends it: vLLM's grammar allowed only the end, which is dropped
+        if not any(c != text and c.startswith(text) for c in CHOICES):
+            assert hf_tokens[-1] in eos and list(result.token_ids) == hf_tokens[:-1]
+    # vLLM's grammar lets the model spell a choice in other tokens than the trie's
+    assert any(list(r.token_ids) not in canonical for r in results[: len(C_PROMPTS)])
+    # an unconstrained row in the same batch is as it is alone
+    assert results[-1] == operator.generate(PROMPTS[:1], free)[0]
+
+
+@needs_vllm
+def test_regex_and_json_schema_match_generate_with_xgrammar_s_processor(
+    operator, backend, reference
+) -> None:
+    eos = sorted(operator.model_info.eos_token_ids)
+    for kind, value, params in (
+        ("regex", REGEX, SamplingParams(max_tokens=24, regex=REGEX)),
+        ("json_schema", json.dumps(CLOSED_SCHEMA, sort_keys=True),
+         SamplingParams(max_tokens=60, json_schema=CLOSED_SCHEMA)),
+    ):  # fmt: skip
+        results = operator.generate(C_PROMPTS, params)
+        compiled = operator.constraints().grammar(kind, value)  # the grammar vLLM gets
+        for ids, result in zip(operator.tokenize(C_PROMPTS), results):
+            hf_tokens = _hf_constrained(reference, ids, params.max_tokens, compiled, eos)
+            _same_as_hf(result, hf_tokens, eos)
+            assert result.finish_reason == "stop" and result.error is None, result
+            assert result.text == operator.tokenizer.decode(hf_tokens, skip_special_tokens=True)
+            # a complete JSON value, or three digits, leave only the end: vLLM's end token
+            # is dropped, as hf/native end the row without a step
+            if kind == "json_schema" or re.search(r"[0-9]{3}$", result.text):
+                assert hf_tokens[-1] in eos and list(result.token_ids) == hf_tokens[:-1]
+            if kind == "json_schema":
+                value_out = json.loads(result.text)
+                assert isinstance(value_out["ok"], bool) and value_out["label"] in ("red", "blue")
+                assert ", " in result.text and '": ' in result.text  # our separators
+            else:
+                assert re.fullmatch(REGEX, result.text), result.text
+
+
+@needs_vllm
+def test_json_cut_by_max_tokens_keeps_the_text_and_says_why(operator, backend) -> None:
+    (result,) = operator.generate(
+        C_PROMPTS[:1], SamplingParams(max_tokens=3, json_schema=OPEN_SCHEMA)
+    )
+    assert result.finish_reason == "length"
+    assert result.text.startswith("{") and result.completion_tokens == 3
+    assert "not valid" in result.error and "JSON schema" in result.error
+
+
+def _block_aligned(operator, text: str) -> str:
+    """``text`` grown by " a" until its tokens fill whole KV blocks."""
+    for _ in range(4 * BLOCK_SIZE):
+        if len(operator.tokenize([text])[0]) % BLOCK_SIZE == 0:
+            return text
+        text += " a"
+    raise AssertionError("no block-aligned prompt found")
+
+
+@needs_vllm
+def test_logprobs_and_choice_logprobs_are_the_unconstrained_model_s(
+    operator, backend, reference
+) -> None:
+    """Sampled rows sum vLLM's raw log-probabilities; constrained rows and the choices are
+    scored by prompt log-probabilities, reading the prefix cache where it leaves the scored
+    positions computed and again without it where it does not (a block-aligned prompt)."""
+    shared = "Route each support ticket to the team that owns it, and answer with the team. "
+    prompts = [shared + "Ticket: my invoice is wrong. Team:", shared + "Ticket: late parcel. Team:"]
+    prompts.append(_block_aligned(operator, shared + "Ticket: the app crashes. Team:"))
+    assert len(operator.tokenize([shared])[0]) > BLOCK_SIZE, "a shared, cached block"
+    _cold(backend)
+    choices = SamplingParams(max_tokens=16, choices=CHOICES, logprobs=True)
+    regex = SamplingParams(max_tokens=24, regex=REGEX, logprobs=True)
+    plain = SamplingParams(max_tokens=6, logprobs=True)
+    rows = [(p, choices) for p in prompts] + [(prompts[0], regex), (prompts[1], plain)]
+    results = operator.generate([p for p, _ in rows], [q for _, q in rows])
+    profile = backend.last_profile
+    for (prompt, params), result in zip(rows, results):
+        ids = operator.tokenize([prompt])[0]
+        assert result.error is None and result.logprob is not None, result
+        want = _unconstrained_logprob(reference, ids, list(result.token_ids))
+        assert result.logprob == pytest.approx(want, abs=1e-3), (prompt, params)
+        if params.choices is None:
+            assert result.choice_logprobs is None
+            continue
+        assert result.text in CHOICES
+        assert set(result.choice_logprobs) == set(CHOICES)
+        for choice, logprob in result.choice_logprobs.items():
+            tokens = operator.tokenizer(choice, add_special_tokens=False)["input_ids"]
+            want = _unconstrained_logprob(reference, ids, tokens)
+            assert logprob == pytest.approx(want, abs=1e-3), choice
+    # one scoring request per choice and row, one per constrained row, and the retries
+    scored = len(prompts) * len(CHOICES) + len(prompts) + 1
+    assert profile["scoring_requests"] == scored + profile["rescored_uncached"]
+    assert 0 < profile["rescored_uncached"] < scored  # the block-aligned prompt's
+    # the choices' scoring requests read the cache (more hits than generated rows)
+    assert sum(c >= BLOCK_SIZE for c in profile["cached_tokens"]) > len(rows)
+    assert operator.generate(prompts[:1], SamplingParams(max_tokens=4))[0].logprob is None
+
+
 # -- one engine for the whole job --------------------------------------------------------
 BUDGET_BLOCKS = 16  # 15 usable blocks of 32: 480 tokens, less than the 512 of context
 
@@ -340,6 +532,8 @@ def test_backend_and_bench_runner_build_through_one_driver(vllm_llama_dir: Path)
         max_num_batched_tokens=4096,
         block_size=BLOCK_SIZE,
         enforce_eager=True,
+        structured_outputs_config={"backend": "xgrammar"},
+        logprobs_mode="raw_logprobs",
     )
     job = {"model": str(vllm_llama_dir), "prefix_caching": False, "max_num_seqs": 4}
     job["kv_cache_gib"] = 24 * BYTES_PER_BLOCK / (1 << 30)
@@ -355,6 +549,38 @@ def test_backend_and_bench_runner_build_through_one_driver(vllm_llama_dir: Path)
     plain = sampling_params(SamplingParams(max_tokens=4, ignore_eos=True), eos_token_ids={2})
     assert plain.max_tokens == 4 and plain.ignore_eos and not plain.stop_token_ids
     assert not plain.detokenize and plain.seed is None
+    assert plain.structured_outputs is None and plain.logprobs is None
+
+
+@needs_vllm
+def test_constraints_and_logprobs_convert_to_vllm_s_parameters() -> None:
+    import xgrammar
+
+    from llm_operator.engine.vllm_driver import (
+        sampling_params,
+        scoring_params,
+        scoring_prompt,
+    )
+
+    choices = sampling_params(SamplingParams(choices=CHOICES, logprobs=True))
+    assert choices.structured_outputs.choice == list(CHOICES)
+    assert choices.logprobs is None  # renormalized under the mask: scored after the row
+    regex = sampling_params(SamplingParams(regex=REGEX)).structured_outputs
+    assert regex.regex == REGEX
+    schema = SamplingParams(json_schema=CLOSED_SCHEMA).json_schema
+    grammar = sampling_params(SamplingParams(json_schema=CLOSED_SCHEMA)).structured_outputs
+    # our grammar (compact JSON, ", " and ": "), not vLLM's json with its "," and ":"
+    assert grammar.json is None and grammar.grammar == str(
+        xgrammar.Grammar.from_json_schema(schema, any_whitespace=False)
+    )
+    assert sampling_params(SamplingParams(logprobs=True)).logprobs == 0  # the sampled token's
+    one = scoring_params([7])
+    assert one.prompt_logprobs is None and one.logprob_token_ids == [7]
+    assert not one.skip_reading_prefix_cache and one.max_tokens == 1
+    many = scoring_params([5, 6, 7], read_cache=False)
+    assert many.prompt_logprobs == 0 and many.logprob_token_ids == [7]
+    assert many.skip_reading_prefix_cache
+    assert scoring_prompt([1, 2], [5, 6, 7]) == [1, 2, 5, 6]
 
 
 def test_max_model_len_is_the_context_capped_by_the_kv_budget() -> None:

