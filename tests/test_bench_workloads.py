@@ -15,6 +15,8 @@ from transformers import AutoTokenizer
 
 from llm_operator.bench import text
 from llm_operator.bench.workloads import (
+    CLASSIFY_STOP,
+    DEFAULT_WORKLOADS,
     IGNORE_EOS_WORKLOADS,
     PRESETS,
     SIZES,
@@ -95,7 +97,8 @@ def test_tiny_fits_the_tiny_model(tokenizer, name):
     workload = make_workload(name, tokenizer, size="tiny")
     ids = token_ids(tokenizer, workload.prompts)
     assert 6 <= len(ids) <= 12
-    assert in_range(workload.max_tokens, (16, 24) if name == "long-answers" else (2, 6))
+    budget = {"long-answers": (16, 24), "classify": (2, 12)}.get(name, (2, 6))
+    assert in_range(workload.max_tokens, budget)
     assert max(len(row) + m for row, m in zip(ids, workload.max_tokens)) <= 190  # context 256
     assert all(isinstance(p, str) == (name == "no-sharing") for p in workload.prompts)
 
@@ -325,3 +328,80 @@ def test_text_with_tokens_stops_at_the_first_sentence_that_reaches_the_target(to
     assert joined == " ".join(
         text.sentences_with_tokens(random.Random(3), "policy", 40, count_tokens)
     )
+
+
+# -- classify -----------------------------------------------------------------------------
+def test_classify_rows_carry_their_task_labels_and_gold(tokenizer):
+    workload = make_workload("classify", tokenizer, size="default", seed=1)
+    p = workload.params
+    assert (p["tasks"], p["rows"]) == (4, 2000)
+    assert len(workload.prompts) == len(workload.choices) == len(workload.gold) == p["rows"]
+    assert workload.stop == CLASSIFY_STOP == ("\n",) and not workload.ignore_eos
+    # Rows of the tasks in turn; each task's rows share everything but their last turn.
+    prefixes = [json.dumps(prompt[:-1]) for prompt in workload.prompts]
+    tasks = p["tasks"]
+    assert len(set(prefixes)) == tasks
+    assert all(prefixes[row] == prefixes[row % tasks] for row in range(len(prefixes)))
+    labels_of = [workload.choices[task] for task in range(tasks)]
+    assert [len(labels) for labels in labels_of] == [3, 4, 6, 3]
+    assert "company news" in labels_of[3]  # a label of two words
+    for row, (prompt, choices, gold) in enumerate(
+        zip(workload.prompts, workload.choices, workload.gold)
+    ):
+        assert choices == labels_of[row % tasks] and gold in choices
+        assert prompt[-1]["role"] == "user" and prompt[0]["role"] == "system"
+        # max_tokens: the task's longest label plus extra_tokens
+        longest = max(count(tokenizer, label) for label in choices)
+        assert workload.max_tokens[row] == longest + p["extra_tokens"]
+    for labels in labels_of:  # every label is drawn, roughly evenly
+        golds = [g for g, c in zip(workload.gold, workload.choices) if c == labels]
+        shares = [golds.count(label) / len(golds) for label in labels]
+        assert min(shares) > 0.5 / len(labels), shares
+    for task, labels in enumerate(labels_of):
+        messages = workload.prompts[task]
+        system = messages[0]["content"]
+        assert ", ".join(labels) in system  # the instructions list the labels
+        answers = [m["content"] for m in messages[1:-1] if m["role"] == "assistant"]
+        assert set(answers) == set(labels)  # the few-shot examples show every label
+        lo, hi = p["prefix_tokens"]
+        prefix = sum(count(tokenizer, m["content"]) for m in messages[:-1])
+        assert lo <= prefix <= hi + SENTENCE_SLACK
+    lo, hi = p["input_tokens"]
+    for messages in workload.prompts:
+        row = messages[-1]["content"].split(": ", 1)[1].split("\nReview: ")[-1]
+        assert lo <= count(tokenizer, row) <= hi + SENTENCE_SLACK
+    plan = plan_of(tokenizer, workload)
+    assert plan.stats.groups == tasks and plan.stats.saving_ratio > 0.8
+
+
+def test_classify_inputs_are_written_for_their_gold_label(tokenizer):
+    workload = make_workload("classify", tokenizer, size="quick", seed=2)
+    for prompt, gold in zip(workload.prompts, workload.gold):
+        field, written = prompt[-1]["content"].split(": ", 1)
+        if field == "Product":  # "Product: <noun>\nReview: ...": the noun's category
+            noun = written.split("\n", 1)[0]
+            assert noun in text.CATEGORY_PRODUCTS[gold]
+        elif field == "Ticket":  # sentences of that team's support templates
+            assert gold in ("billing", "shipping", "account", "technical")
+    assert len(workload.prompts) == 64 and workload.params["tasks"] == 4
+
+
+def test_classify_sizes_and_overrides(tokenizer):
+    tiny = make_workload("classify", tokenizer, size="tiny")
+    assert tiny.params["tasks"] == 2 and len(tiny.prompts) == 8
+    assert {len(c) for c in tiny.choices} == {3, 4}
+    one = make_workload("classify", tokenizer, size="tiny", tasks=1, rows=3, extra_tokens=5)
+    assert len({json.dumps(p[:-1]) for p in one.prompts}) == 1 and len(one.prompts) == 3
+    longest = max(count(tokenizer, label) for label in one.choices[0])
+    assert one.max_tokens == [longest + 5] * 3
+    with pytest.raises(ValueError, match="tasks=5"):
+        make_workload("classify", tokenizer, size="tiny", tasks=5)
+    with pytest.raises(ValueError, match="extra_tokens"):
+        make_workload("classify", tokenizer, size="tiny", extra_tokens=0)
+
+
+def test_only_classify_has_labels_and_is_not_run_by_default(tokenizer):
+    assert DEFAULT_WORKLOADS == tuple(n for n in WORKLOAD_NAMES if n != "classify")
+    for name in DEFAULT_WORKLOADS:
+        workload = make_workload(name, tokenizer, size="tiny")
+        assert workload.choices is None and workload.gold is None and workload.stop == ()

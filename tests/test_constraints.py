@@ -105,7 +105,9 @@ def test_logprobs_and_choice_logprobs_are_the_unconstrained_model_s(
     tiny_llama_dir, backend
 ) -> None:
     op = LLMOperator(tiny_llama_dir, backend=backend)
-    results = op.generate(PROMPTS[:2], SamplingParams(max_tokens=16, choices=CHOICES, logprobs=True))
+    results = op.generate(
+        PROMPTS[:2], SamplingParams(max_tokens=16, choices=CHOICES, logprobs=True)
+    )
     model = _reference(tiny_llama_dir)
     trie = op.constraints().trie(CHOICES)
     eos = sorted(op.model_info.eos_token_ids)

@@ -252,3 +252,64 @@ def test_gold_labels_follow_the_row_fields(demo_rows: list[dict]) -> None:
         assert row["gold"] == {5: "positive", 4: "positive", 3: "neutral"}.get(rating, "negative")
     assert all(row["gold"] == reviews[row["id"]]["category"] for row in category)
     assert all(row["gold"] is None for row in tickets)
+
+
+# -- the demo job: constrained to each row's task labels ------------------------------------
+@pytest.fixture(scope="module")
+def long_context_model_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Llama with its context raised to fit the few-shot demo prompts."""
+    model_dir = tmp_path_factory.mktemp("demo-model") / "model"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    for name, key in (
+        ("config.json", "max_position_embeddings"),
+        ("tokenizer_config.json", "model_max_length"),
+    ):
+        settings = json.loads((model_dir / name).read_text())
+        settings[key] = 4096
+        (model_dir / name).write_text(json.dumps(settings))
+    return model_dir
+
+
+def test_demo_classify_names_a_label_on_every_engine(long_context_model_dir: Path) -> None:
+    """Even a random model names a label with choices; Dask runs one call per task and
+    puts the results back in row order, the same texts as one local call."""
+    pytest.importorskip("dask.dataframe")
+    from llm_operator import LLMOperator
+    from llm_operator.demo import classify
+
+    rows = build_demo_rows(limit=8)
+    model = str(long_context_model_dir)
+    op = LLMOperator(model, progress=False)
+    common = dict(op=op, model=model, options={"progress": False}, partitions=2)
+    local = classify(rows, engine="local", **common)
+    dask = classify(rows, engine="dask", **common)
+    assert (local.calls, dask.calls) == (1, len({row["task"] for row in rows}))
+    for run in (local, dask):
+        assert [r.finish_reason for r in run.results] == ["stop"] * len(rows)
+        assert [r.text for r in run.results] == run.labels
+        assert all(label in row["labels"] for label, row in zip(run.labels, rows))
+    assert dask.labels == local.labels
+    assert local.stats.rows == len(rows) and dask.stats is None
+    free = classify(rows, engine="local", choices=False, **common)
+    assert all(r.finish_reason in ("stop", "length") for r in free.results)
+
+
+@pytest.mark.slow
+def test_demo_with_choices_names_a_label_on_every_row(tmp_path: Path, capsys) -> None:
+    """``llm-operator demo`` on SmolLM2: every answer is one of its task's labels; the free
+    run (``--compare-free``) sits beside it."""
+    from llm_operator.cli import main
+
+    output = tmp_path / "demo.jsonl"
+    argv = ["demo", "--limit", "8", "--engine", "local", "--output", str(output)]
+    assert main([*argv, "--compare-free", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "with choices: 8 rows in" in printed and "8/8 outputs name a label" in printed
+    assert "free: name a label" in printed and "choices: agree" in printed
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    rows = build_demo_rows(limit=8)
+    assert [r["id"] for r in records] == [row["id"] for row in rows]
+    for record, row in zip(records, rows):
+        assert record["output"] == record["label"] and record["label"] in row["labels"]
+        assert record["finish_reason"] == "stop" and record["error"] is None
+        assert record["free_label"] == parse_label(record["free_output"], row["labels"])

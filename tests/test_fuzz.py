@@ -32,7 +32,20 @@ PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 # every unicode code point, surrogates (category Cs) included
 ANY_CHARACTER = st.characters(codec=None, categories=None)
 TRICKY = st.sampled_from(
-    ["\x00", "\ud800", "\udfff", "\u202e", "\u0301", "\n", "\t", "\r", "\x1b", "\ufeff", "é", "日本"]
+    [
+        "\x00",
+        "\ud800",
+        "\udfff",
+        "\u202e",
+        "\u0301",
+        "\n",
+        "\t",
+        "\r",
+        "\x1b",
+        "\ufeff",
+        "é",
+        "日本",
+    ]
 )
 TEXT = st.lists(st.one_of(ANY_CHARACTER, TRICKY), max_size=24).map("".join)
 WORDS = st.lists(st.sampled_from(["the", "weather", "review", "label", "ticket", "is"]),

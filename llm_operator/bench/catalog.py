@@ -20,7 +20,7 @@ def catalog_text(width: int = 100) -> str:
     )
     return "\n".join(
         [
-            "workloads (--workloads: comma-separated names, or 'all', the default):",
+            "workloads (--workloads: comma-separated names, or 'all'; default: all but classify):",
             *_entries(workloads, width),
             "",
             f"systems (--systems: comma-separated names, or 'all', the default; "

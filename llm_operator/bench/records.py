@@ -1,15 +1,24 @@
 """One record per (system, workload): every metric, computed the same way for all systems
-from what they returned (``bench.worker`` / ``bench.vllm_runner`` RESULTs)."""
+from what they returned (``bench.worker`` / ``bench.vllm_runner`` RESULTs).
+
+On a workload with labels (classify), each row's output is read as a label the way the
+demo reads it (``demo_data.parse_label``: the first of the row's labels its text names,
+the text cut at the workload's first stop string), whether the system was constrained
+or not: ``names_label`` is the fraction of rows whose output names one of their labels,
+``gold_agreement`` the fraction that names the label the input was written for, and
+``same_label_as`` maps each other system on the workload to the fraction of rows where
+both read as the same label (None counts as a label: two outputs naming none agree).
+"""
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from llm_operator.bench.flops import ModelShape, attention_keys, work_flop
 from llm_operator.bench.rate import rate_for
-from llm_operator.bench.systems import BASELINE, VLLM_REFERENCE, SystemSpec
+from llm_operator.bench.systems import BASELINE, VLLM_REFERENCE, SystemSpec, runs_on
 
 
 def _normalize(ids: Sequence[int], eos_ids: set[int]) -> list[int]:
@@ -56,6 +65,30 @@ def work_figures(
     }
 
 
+def output_labels(
+    workload: dict, generated: Sequence[Sequence[int]], decode: Callable[[list[int]], str]
+) -> list[str | None]:
+    """Each row's output read as one of its labels (None: it names none); module doc."""
+    from llm_operator.demo_data import parse_label
+
+    labels = []
+    for ids, choices in zip(generated, workload["choices"]):
+        text = decode(list(ids))
+        for stop in workload.get("stop") or ():
+            text = text.split(stop, 1)[0]
+        labels.append(parse_label(text, choices))
+    return labels
+
+
+def label_figures(labels: Sequence[str | None], gold: Sequence[str]) -> dict[str, float]:
+    """``names_label`` and ``gold_agreement`` of one system's labels (module doc)."""
+    rows = max(len(labels), 1)
+    return {
+        "names_label": sum(label is not None for label in labels) / rows,
+        "gold_agreement": sum(label == g for label, g in zip(labels, gold)) / rows,
+    }
+
+
 def build_records(
     specs: list[SystemSpec],
     raw: dict[str, dict],
@@ -64,18 +97,24 @@ def build_records(
     *,
     shape: ModelShape | None = None,
     rates: dict[str, Any] | None = None,
+    decode: Callable[[list[int]], str] | None = None,
 ) -> list[dict]:
-    """One record per (system, workload) with every metric, ratios filled in last.
+    """One record per (system, workload) the system runs (``systems.runs_on``) with every
+    metric, ratios filled in last.
 
     ``shape`` and ``rates`` (``rate.measure_matmul_rate``) add the work figures
-    (``work_figures``); without them those fields are None.
+    (``work_figures``); without them those fields are None. ``decode`` (token ids to
+    text) adds the label figures on workloads with labels (module doc).
     """
     outputs: dict[tuple[str, str], list[list[int]]] = {}
+    labels: dict[tuple[str, str], list[str | None]] = {}
     records = []
     for spec in specs:
         result = raw.get(spec.name, {"error": "not run"})
         runs = {run["workload"]: run for run in result.get("runs", [])}
         for w in workloads:
+            if not runs_on(spec, w):
+                continue
             summary = w["summary"]
             record: dict[str, Any] = {
                 "system": spec.name,
@@ -128,6 +167,9 @@ def build_records(
             )
             if run.get("decode_profile") is not None:
                 record["decode_profile"] = run["decode_profile"]
+            if decode is not None and w.get("gold") is not None:
+                labels[(spec.name, w["name"])] = output_labels(w, generated, decode)
+                record.update(label_figures(labels[(spec.name, w["name"])], w["gold"]))
             records.append(record)
     for record in records:
         if record["status"] != "ok":
@@ -149,4 +191,11 @@ def build_records(
                 None,
             )
             record[f"speedup_{key}"] = other["seconds"] / record["seconds"] if other else None
+        mine_labels = labels.get((record["system"], record["workload"]))
+        if mine_labels is not None:
+            record["same_label_as"] = {
+                system: sum(a == b for a, b in zip(mine_labels, theirs)) / len(mine_labels)
+                for (system, workload), theirs in labels.items()
+                if workload == record["workload"] and system != record["system"]
+            }
     return records

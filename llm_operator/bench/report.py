@@ -86,6 +86,39 @@ def decode_table(records: Sequence[dict], workload: str) -> list[str]:
     return [*lines, ""]
 
 
+def labels_table(records: Sequence[dict], workload: str) -> list[str]:
+    """The label figures of a workload with labels (``bench.records``): rows/s, outputs
+    that name a label, agreement with the gold labels and between systems."""
+    labelled = [
+        r
+        for r in records
+        if r["workload"] == workload and r["status"] == "ok" and "gold_agreement" in r
+    ]
+    if not labelled:
+        return []
+    systems = [r["system"] for r in labelled]
+    lines = [
+        f"Labels ({workload}): each output read as one of its row's labels; gold is the label "
+        "its input was written for; `same label as X`: rows where both systems read as the "
+        "same label.",
+        "",
+        "| system | rows/s | names a label | agrees with gold | "
+        + " | ".join(f"same label as {s}" for s in systems)
+        + " |",
+        "|---|---:|---:|---:|" + "---:|" * len(systems),
+    ]
+    for r in labelled:
+        same = r.get("same_label_as", {})
+        cells = ["-" if s == r["system"] else _percent(same.get(s)) for s in systems]
+        lines.append(
+            f"| {r['system']} | {_number(r['rows_per_second'], 2)} "
+            f"| {_percent(r['names_label'])} | {_percent(r['gold_agreement'])} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return [*lines, ""]
+
+
 def markdown_table(
     records: Sequence[dict],
     workloads: Sequence[dict],
@@ -95,7 +128,8 @@ def markdown_table(
 ) -> str:
     """One table per workload: a row per system with every metric and the two ratios,
     under ``machine_header`` when ``machine`` is given; for the decode-heavy workloads
-    (DECODE_TABLE_WORKLOADS) a ``decode_table`` follows."""
+    (DECODE_TABLE_WORKLOADS) a ``decode_table`` follows, for workloads with labels a
+    ``labels_table``."""
     lines: list[str] = machine_header(machine, title) if machine is not None else []
     for workload in workloads:
         s = workload["summary"]
@@ -104,7 +138,12 @@ def markdown_table(
             "",
             f"{workload['description'].rstrip('.')}. {s['rows']} rows, {s['prompt_tokens']:,} prompt tokens "
             f"(minimum prefill {s['min_prefill_tokens']:,}), {s['max_tokens_total']:,} max "
-            f"output tokens.",
+            f"output tokens."
+            + (
+                f" Free generation stops at {' or '.join(map(repr, s['stop']))}."
+                if s.get("stop")
+                else ""
+            ),
             "",
             "| system | gen s | load s | out tok/s | rows/s | prefill tokens | vs min "
             "| GFLOP | GFLOP/s | % rate | peak MiB | same as hf-static | x hf-static | x vllm |",
@@ -132,6 +171,7 @@ def markdown_table(
         lines.append("")
         if workload["name"] in DECODE_TABLE_WORKLOADS:
             lines += decode_table(records, workload["name"])
+        lines += labels_table(records, workload["name"])
     return "\n".join(lines)
 
 

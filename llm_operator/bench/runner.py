@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from llm_operator.bench.systems import SystemSpec
+from llm_operator.bench.systems import SystemSpec, runs_on
 
 Log = Callable[[str], None]
 
@@ -72,6 +72,9 @@ def prepare_workloads(operator, names: Sequence[str], *, size: str, seed: int) -
                 "token_ids": token_ids,
                 "max_tokens": list(workload.max_tokens),
                 "ignore_eos": workload.ignore_eos,
+                "stop": list(workload.stop),
+                "choices": workload.choices,
+                "gold": workload.gold,
                 "input_order": list(range(len(token_ids))),
                 "shuffled_order": shuffled,
                 "summary": {
@@ -83,6 +86,8 @@ def prepare_workloads(operator, names: Sequence[str], *, size: str, seed: int) -
                     "max_tokens_total": sum(workload.max_tokens),
                     "longest_prompt": max(len(ids) for ids in token_ids),
                     "ignore_eos": workload.ignore_eos,
+                    "stop": list(workload.stop),
+                    "labelled": workload.gold is not None,
                 },
             }
         )
@@ -106,7 +111,9 @@ def run_worker_system(
     python: str | None = None,
 ) -> dict:
     """Run a "static" or "operator" system in a ``bench.worker`` subprocess (in ``python``,
-    default this interpreter); its RESULT dict. ``spec.dtype`` goes in as the "dtype" option."""
+    default this interpreter) on the workloads it runs (``systems.runs_on``); its RESULT
+    dict. ``spec.dtype`` goes in as the "dtype" option; a choices system gets the rows'
+    labels as "choices"."""
     dtype = {"dtype": spec.dtype} if spec.dtype is not None else {}
     job = {
         "system": spec.name,
@@ -122,9 +129,12 @@ def run_worker_system(
                 "token_ids": w["token_ids"],
                 "max_tokens": w["max_tokens"],
                 "ignore_eos": w["ignore_eos"],
+                "stop": w["stop"],
+                **({"choices": w["choices"]} if spec.choices else {}),
                 "order": _order(w, spec),
             }
             for w in workloads
+            if runs_on(spec, w)
         ],
     }
     with tempfile.TemporaryDirectory(prefix="llm-operator-bench-") as folder:
@@ -188,10 +198,13 @@ def run_vllm_systems(
                 "prompts": w["token_ids"],
                 "max_tokens": w["max_tokens"],
                 "ignore_eos": w["ignore_eos"],
+                # free generation ends at the stop strings; a choices run needs none
+                **({"choices": w["choices"]} if spec.choices else {"stop": w["stop"]}),
                 "order": _order(w, spec),
             }
             for spec in group
             for w in workloads
+            if runs_on(spec, w)
         ]
         job = {
             "model": model_path,
@@ -245,6 +258,7 @@ def run_vllm_systems(
                         "peak_device_bytes": None,
                     }
                     for w in workloads
+                    if runs_on(spec, w)
                 ],
             }
     return results

@@ -22,14 +22,17 @@ from llm_operator.bench.runner import (
     run_vllm_systems,
     run_worker_system,
 )
-from llm_operator.bench.systems import BASELINE, SystemSpec, parse_systems
+from llm_operator.bench.systems import BASELINE, SystemSpec, parse_systems, runs_on
 from llm_operator.bench.vllm_systems import VLLMUnavailable, find_vllm_python
 
 
 def parse_workloads(text: str | None) -> list[str]:
-    from llm_operator.bench.workloads import WORKLOAD_NAMES
+    """Comma-separated workload names; "all": every workload; None: ``DEFAULT_WORKLOADS``."""
+    from llm_operator.bench.workloads import DEFAULT_WORKLOADS, WORKLOAD_NAMES
 
-    if text is None or text.strip() == "all":
+    if text is None:
+        return list(DEFAULT_WORKLOADS)
+    if text.strip() == "all":
         return list(WORKLOAD_NAMES)
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in WORKLOAD_NAMES]
@@ -114,7 +117,9 @@ def run_benchmark(
             f"  {w['name']}: {s['rows']} rows, {s['prompt_tokens']:,} prompt tokens, "
             f"minimum prefill {s['min_prefill_tokens']:,}, max tokens {s['max_tokens_total']:,}"
             + (" (EOS ignored)" if s["ignore_eos"] else "")
+            + (" (labelled)" if s["labelled"] else "")
         )
+    specs = _systems_with_work(specs, prepared, log)
     shape, rates = machine_rate(operator, log)  # before any system runs
     raw: dict[str, dict] = {}
     worker_specs = [spec for spec in specs if spec.kind != "vllm"]
@@ -171,6 +176,7 @@ def run_benchmark(
         eos_token_ids(model_path, operator.tokenizer),
         shape=shape,
         rates=rates,
+        decode=lambda ids: operator.tokenizer.decode(ids, skip_special_tokens=True),
     )
     _warn_thread_mismatch(raw, rates, log)
     out_dir = Path(out_dir)
@@ -226,6 +232,19 @@ def run_benchmark(
     return report
 
 
+def _systems_with_work(specs: list[SystemSpec], prepared: list[dict], log: Log) -> list[SystemSpec]:
+    """The systems that run at least one of the workloads (a choices system needs labels)."""
+    idle = [spec.name for spec in specs if not any(runs_on(spec, w) for w in prepared)]
+    if idle:
+        log(f"bench: {', '.join(idle)} left out: they run only workloads with labels (classify)")
+    working = [spec for spec in specs if spec.name not in idle]
+    if not working:
+        raise ValueError(
+            f"system(s) {', '.join(idle)} run only workloads with labels: add --workloads classify"
+        )
+    return working
+
+
 def _system_entry(spec: SystemSpec) -> dict[str, Any]:
     return {
         "name": spec.name,
@@ -234,6 +253,7 @@ def _system_entry(spec: SystemSpec) -> dict[str, Any]:
         "options": spec.options,
         "dtype": spec.dtype,
         "block_size": spec.block_size,
+        "choices": spec.choices,
     }
 
 

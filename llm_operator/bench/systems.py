@@ -18,6 +18,11 @@ class SystemSpec:
     """One system: kind "static" (HF generate, fixed batches), "operator" (LLMOperator)
     or "vllm" (vLLM's offline engine); ``shuffled`` submits the rows in a seeded random order.
 
+    ``choices``: each row's output is constrained to its labels (``Workload.choices``; our
+    ``SamplingParams(choices=...)``, vLLM's structured outputs); such a system runs only the
+    workloads that have labels (classify). The other systems generate freely there, up to
+    the workload's stop strings.
+
     ``dtype`` (None: float32 for vLLM, the library's "auto" otherwise) and ``block_size``
     (vLLM's KV block in tokens, vLLM systems only; None: ``--vllm-block-size``, else vLLM's
     own) let systems that differ only there run side by side in one benchmark.
@@ -31,8 +36,11 @@ class SystemSpec:
     python: str = "self"  # "vllm": the worker runs in the vLLM venv (backend="vllm")
     dtype: str | None = None
     block_size: int | None = None
+    choices: bool = False
 
     def __post_init__(self) -> None:
+        if self.choices and self.kind == "static":
+            raise ValueError(f"system {self.name!r}: HF generate takes no choices")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"system {self.name!r}: dtype={self.dtype!r}; use one of {DTYPES}")
         if self.block_size is not None:
@@ -103,6 +111,14 @@ SYSTEMS: dict[str, SystemSpec] = {
             {"backend": "native", "token_batching": False, "max_batch_size": 16},
         ),
         SystemSpec(
+            "native-choices",
+            "operator",
+            "native with each row's labels as choices (a token trie, decided rows jump "
+            "forward); workloads with labels only",
+            {"backend": "native"},
+            choices=True,
+        ),
+        SystemSpec(
             "native-bf16",
             "operator",
             "native with bfloat16 weights, activations and KV cache",
@@ -137,6 +153,14 @@ SYSTEMS: dict[str, SystemSpec] = {
             {"prefix_caching": False},
         ),
         SystemSpec(
+            "vllm-choices",
+            "vllm",
+            "vLLM offline, prefix caching on, each row's labels as structured-output choices; "
+            "workloads with labels only",
+            {"prefix_caching": True},
+            choices=True,
+        ),
+        SystemSpec(
             "vllm-bf16",
             "vllm",
             "vllm in bfloat16",
@@ -162,8 +186,14 @@ SYSTEMS: dict[str, SystemSpec] = {
 }
 
 DEFAULT_SYSTEMS = tuple(SYSTEMS)
+"""``--systems all``: every system (the choices systems run only on workloads with labels)."""
 BASELINE = "hf-static"
 VLLM_REFERENCE = "vllm"
+
+
+def runs_on(spec: SystemSpec, workload: dict) -> bool:
+    """Whether ``spec`` runs ``workload`` (a prepared workload): a choices system needs labels."""
+    return not spec.choices or workload.get("choices") is not None
 
 
 def parse_systems(text: str | None) -> list[SystemSpec]:

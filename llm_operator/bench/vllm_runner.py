@@ -13,7 +13,10 @@ JOB (JSON)::
      "prompts": [[token ids], ...],            # input order
      "max_tokens": [int per prompt],
      "runs": [{"name": "vllm", "order": [row indices in submission order],
-               "ignore_eos": false}, ...],    # true: decode past EOS to max_tokens
+               "ignore_eos": false,           # true: decode past EOS to max_tokens
+               "stop": ["\n"],                # optional: every row's stop strings
+               "choices": [["a", "b"], ...]},  # optional: per row, the strings its output
+              ...],                           #   is one of (structured outputs), or null
      "repeat": 1, "warmup": true,
      "kv_cache_gib": 4,                        # null: vLLM's own default
      "block_size": null, "max_num_batched_tokens": null, "max_num_seqs": null,
@@ -155,9 +158,20 @@ def _resolve_runs(job: dict[str, Any]) -> list[dict[str, Any]]:
                 "max_tokens": max_tokens,
                 "order": order,
                 "ignore_eos": bool(run.get("ignore_eos", False)),
+                "stop": tuple(run.get("stop") or ()),
+                "choices": _run_choices(name, run.get("choices"), len(prompts)),
             }
         )
     return resolved
+
+
+def _run_choices(name: str, choices: Any, rows: int) -> list[tuple[str, ...] | None]:
+    """A run's "choices": one entry per prompt, each a list of strings or None."""
+    if choices is None:
+        return [None] * rows
+    if not isinstance(choices, list) or len(choices) != rows:
+        raise ValueError(f"run {name!r}: choices must list one entry per prompt ({rows})")
+    return [None if c is None else tuple(str(label) for label in c) for c in choices]
 
 
 def _check_model(job: dict[str, Any]) -> str:
@@ -191,15 +205,24 @@ def _llm_kwargs(job: dict[str, Any], max_model_len: int) -> dict[str, Any]:
 
 
 def _generate(
-    llm: Any, prompts: list[list[int]], max_tokens: list[int], *, ignore_eos: bool = False
+    llm: Any,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    *,
+    ignore_eos: bool = False,
+    stop: tuple[str, ...] = (),
+    choices: list[tuple[str, ...] | None] | None = None,
 ) -> list[Any]:
-    """Greedy completions in one ``LLM.generate`` call, in the order given."""
+    """Greedy completions in one ``LLM.generate`` call, in the order given (``choices``:
+    per prompt, the strings its output is one of, or None)."""
     from llm_operator.engine.vllm_driver import sampling_params, tokens_prompt
     from llm_operator.sampling import SamplingParams
 
     params = [
-        sampling_params(SamplingParams(max_tokens=int(m), ignore_eos=ignore_eos))
-        for m in max_tokens
+        sampling_params(
+            SamplingParams(max_tokens=int(m), ignore_eos=ignore_eos, stop=stop, choices=c)
+        )
+        for m, c in zip(max_tokens, choices or [None] * len(prompts))
     ]
     outputs = llm.generate([tokens_prompt(ids) for ids in prompts], params, use_tqdm=False)
     assert len(outputs) == len(prompts), f"{len(outputs)} outputs for {len(prompts)} prompts"
@@ -217,6 +240,8 @@ def _run_once(engine: Any, run: dict[str, Any], pids: list[int]) -> dict[str, An
         [run["prompts"][i] for i in order],
         [run["max_tokens"][i] for i in order],
         ignore_eos=run["ignore_eos"],
+        stop=run["stop"],
+        choices=[run["choices"][i] for i in order],
     )
     seconds = time.perf_counter() - started
     peak = peak_rss_bytes(pids)

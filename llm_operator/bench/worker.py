@@ -9,7 +9,9 @@ JOB (JSON)::
      "options": {...},            # LLMOperator keywords (operator) or {"batch_size": 16} (static)
      "repeat": 1, "warmup": true,
      "workloads": [{"name": ..., "prompts": [...], "token_ids": [[...]], "max_tokens": [...],
-                    "ignore_eos": false, "order": [row indices in submission order]}]}
+                    "ignore_eos": false, "order": [row indices in submission order],
+                    "stop": ["\n"],                 # optional: every row's stop strings
+                    "choices": [[labels] per row]}]}  # optional (operator): constrained rows
 
 RESULT (JSON): ``{"load_seconds", "device", "dtype" (the weights', e.g. "float32"),
 "torch_threads", "runs": [{"workload", "seconds": [per repeat], "token_ids" (input order,
@@ -108,6 +110,23 @@ def backend_dtype(backend: Any) -> str | None:
     return _dtype_name(getattr(backend, "dtype", None))
 
 
+def _sampling(workload: dict[str, Any], row: int) -> Any:
+    """A row's SamplingParams: its max_tokens, the workload's ignore_eos, and either its
+    choices (when the job gives them) or the workload's stop strings."""
+    from llm_operator import SamplingParams
+
+    options: dict[str, Any] = {
+        "max_tokens": workload["max_tokens"][row],
+        "ignore_eos": bool(workload.get("ignore_eos", False)),
+    }
+    choices = workload.get("choices")
+    if choices is not None and choices[row] is not None:
+        options["choices"] = tuple(choices[row])
+    elif workload.get("stop"):
+        options["stop"] = tuple(workload["stop"])
+    return SamplingParams(**options)
+
+
 class OperatorSystem:
     """Our LLMOperator (any backend and ablation), fed the original prompts."""
 
@@ -124,18 +143,12 @@ class OperatorSystem:
         self.dtype = backend_dtype(backend)
 
     def run(self, workload: dict[str, Any]) -> dict[str, Any]:
-        from llm_operator import SamplingParams
-
         llm = getattr(self.operator.backend(), "llm", None)
         if llm is not None:  # backend="vllm": no run starts with another run's cached prefixes
             llm.reset_prefix_cache()
         order = workload["order"]
         prompts = [workload["prompts"][row] for row in order]
-        ignore_eos = bool(workload.get("ignore_eos", False))
-        sampling = [
-            SamplingParams(max_tokens=workload["max_tokens"][row], ignore_eos=ignore_eos)
-            for row in order
-        ]
+        sampling = [_sampling(workload, row) for row in order]
         results = self.operator.generate(prompts, sampling)
         failed = [r.error for r in results if r.finish_reason == "error"]
         if failed:
@@ -187,6 +200,7 @@ class StaticSystem:
             [workload["token_ids"][row] for row in order],
             max_tokens=[workload["max_tokens"][row] for row in order],
             batch_size=self.batch_size,
+            stop=tuple(workload.get("stop") or ()),
             ignore_eos=bool(workload.get("ignore_eos", False)),
         )
         return {
@@ -210,12 +224,15 @@ def run_job(job: dict[str, Any], log=lambda message: None) -> dict[str, Any]:
             "warmup", True
         ):  # one short request: lazy initialisation stays out of the timing
             first = workload["order"][0]
+            choices = workload.get("choices")
             system.run(
                 {
                     "prompts": [workload["prompts"][first]],
                     "token_ids": [workload["token_ids"][first]],
                     "max_tokens": [2],
                     "order": [0],
+                    "stop": workload.get("stop") or [],
+                    **({"choices": [choices[first]]} if choices else {}),
                 }
             )
         seconds, first_run = [], None

@@ -8,6 +8,10 @@
     no-sharing   plain-string prompts that share no leading tokens (a control)
     long-answers doc-qa's shape with long documents and long answers: decode-heavy, EOS
                  ignored (``Workload.ignore_eos``) so every system decodes the same lengths
+    classify     many short rows over a few labelling tasks (3-6 labels each), rows of the
+                 tasks interleaved; each row carries its task's labels (``Workload.choices``)
+                 and the label its input was written for (``Workload.gold``); free
+                 generation ends at a newline (``Workload.stop``)
 
 ``make_workload(name, tokenizer, size=..., seed=..., **overrides)`` is a pure function of its
 arguments: the tokenizer only measures text lengths, so "N tokens" means tokens of that model
@@ -27,6 +31,7 @@ from llm_operator.bench import text
 from llm_operator.bench.text import CountTokens
 
 __all__ = [
+    "DEFAULT_WORKLOADS",
     "IGNORE_EOS_WORKLOADS",
     "PRESETS",
     "SIZES",
@@ -67,8 +72,16 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "quick": dict(documents=2, questions_per_document=3, system_tokens=60, document_tokens=(300, 400), question_tokens=(20, 40), max_tokens=(48, 64)),
         "default": dict(documents=2, questions_per_document=8, system_tokens=80, document_tokens=(1200, 1800), question_tokens=(20, 40), max_tokens=(192, 320)),
     },
+    "classify": {  # max_tokens: a task's longest label in tokens plus extra_tokens
+        "tiny": dict(tasks=2, rows=8, prefix_tokens=(45, 60), min_examples=1, input_tokens=(4, 10), extra_tokens=1),
+        "quick": dict(tasks=4, rows=64, prefix_tokens=(200, 300), min_examples=6, input_tokens=(15, 40), extra_tokens=2),
+        "default": dict(tasks=4, rows=2000, prefix_tokens=(300, 450), min_examples=6, input_tokens=(15, 60), extra_tokens=2),
+    },
 }  # fmt: skip
-WORKLOAD_NAMES = ("etl-fewshot", "doc-qa", "table-rows", "no-sharing", "long-answers")
+WORKLOAD_NAMES = ("etl-fewshot", "doc-qa", "table-rows", "no-sharing", "long-answers", "classify")
+DEFAULT_WORKLOADS = WORKLOAD_NAMES[:-1]
+"""What ``--workloads`` runs when not given: every workload but classify (thousands of rows:
+``--workloads classify`` or ``all`` asks for it)."""
 WORKLOAD_SUMMARIES = {
     "etl-fewshot": "tasks x rows; each task's system prompt, instructions and few-shot turns "
     "form one shared prefix (BatchLLM's shape)",
@@ -79,6 +92,11 @@ WORKLOAD_SUMMARIES = {
     "no-sharing": "plain-string prompts that share no leading tokens (a control)",
     "long-answers": "doc-qa's shape with long documents and long answers: decode-heavy, "
     "EOS ignored",
+    "classify": "short rows (2,000 at the default size) over four labelling tasks (3-6 "
+    "labels, a shared "
+    "instruction prefix each); free generation stops at a newline, the *-choices systems "
+    "constrain each row to its task's labels; agreement with the label each input was "
+    "written for (not run unless named: --workloads classify)",
 }
 """One line per workload, for ``llm-operator bench --help`` (the module doc has more)."""
 IGNORE_EOS_WORKLOADS = frozenset({"long-answers"})
@@ -100,6 +118,12 @@ class Workload:
     description: str
     ignore_eos: bool = False
     """Rows keep decoding past EOS up to their max_tokens (fixed decode lengths)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings every system's free generation ends at."""
+    choices: list[list[str]] | None = None
+    """Per row, the labels its task allows (systems with ``choices`` constrain to them)."""
+    gold: list[str] | None = None
+    """Per row, the label its input was written for (agreement is measured against it)."""
 
 
 def make_workload(
@@ -121,11 +145,23 @@ def make_workload(
         raise TypeError(f"seed must be an int, got {seed!r}")
     params = _resolve(name, PRESETS[name][size], overrides)
     rng = random.Random(f"{name}/{seed}")
-    prompts, max_tokens, description = _BUILDERS[name](rng, _Tokens(tokenizer), params)
+    count = _Tokens(tokenizer)
+    if name == "classify":
+        prompts, max_tokens, description, choices, gold = _classify(rng, count, params)
+        labelled = dict(stop=CLASSIFY_STOP, choices=choices, gold=gold)
+    else:
+        prompts, max_tokens, description = _BUILDERS[name](rng, count, params)
+        labelled = {}
     record = {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}
     record.update(size=size, seed=seed)
     return Workload(
-        name, prompts, max_tokens, record, description, ignore_eos=name in IGNORE_EOS_WORKLOADS
+        name,
+        prompts,
+        max_tokens,
+        record,
+        description,
+        ignore_eos=name in IGNORE_EOS_WORKLOADS,
+        **labelled,
     )
 
 
@@ -154,6 +190,8 @@ def _resolve(name: str, preset: dict[str, Any], overrides: dict[str, Any]) -> di
         elif not _positive_int(value):
             raise ValueError(f"{key}={value!r} must be an int >= 1")
         params[key] = value
+    if name == "classify" and params["tasks"] > len(_CLASSIFY_TASKS):
+        raise ValueError(f"tasks={params['tasks']!r} must be <= {len(_CLASSIFY_TASKS)} here")
     if name == "table-rows":  # distinct categories, brands and (model, product) names
         limits = dict(categories=len(text.CATEGORY_PRODUCTS), products_per_brand=50)
         limits["brands_per_category"] = len(text.words("brand")) // params["categories"]
@@ -572,6 +610,113 @@ def _no_sharing(
         f"{p['prompt_tokens'][1]} tokens that share no prefix (a control)"
     )
     return prompts, max_tokens, description
+
+
+# -- classify -----------------------------------------------------------------------------
+CLASSIFY_STOP = ("\n",)
+"""Where free generation of a classify row ends (the answer is one line)."""
+Writer = Callable[[random.Random, _Tokens, int], str]
+
+
+def _topic_writer(topic: str, *, about_product: bool = False) -> Writer:
+    """About ``target`` tokens on ``topic`` (about one product when ``about_product``)."""
+
+    def write(rng: random.Random, count: _Tokens, target: int) -> str:
+        if about_product:
+            return _input_text(rng, topic, target, count)
+        return text.text_with_tokens(rng, topic, target, count)
+
+    return write
+
+
+def _mixed_review(rng: random.Random, count: _Tokens, target: int) -> str:
+    """Praise and complaint sentences in turn, half the tokens each: a neutral review."""
+    fixed = {"product": text.pick(rng, "product")}
+    praise = text.sentences_with_tokens(rng, "praise", max(1, target // 2), count, fixed=fixed)
+    complaint = text.sentences_with_tokens(
+        rng, "complaint", max(1, target - target // 2), count, fixed=fixed
+    )
+    turns = [s for pair in zip(praise, complaint) for s in pair]
+    longer = praise if len(praise) > len(complaint) else complaint
+    return " ".join(turns + longer[len(turns) // 2 :])
+
+
+def _category_review(category: str) -> Writer:
+    """A review that names a product of ``category`` (``Product: <noun>`` on its first line)."""
+
+    def write(rng: random.Random, count: _Tokens, target: int) -> str:
+        noun = rng.choice(text.CATEGORY_PRODUCTS[category])
+        tone = rng.choice(("praise", "complaint"))
+        review = text.text_with_tokens(rng, tone, target, count, fixed={"product": noun})
+        return f"{noun}\nReview: {review}"
+
+    return write
+
+
+# (name, persona, input field, {label: writer of an input with that label}, rules)
+_CLASSIFY_TASKS: tuple[tuple[str, str, str, dict[str, Writer], tuple[str, ...]], ...] = (
+    ("sentiment", "You classify customer reviews by sentiment.", "Review",
+     {"positive": _topic_writer("praise", about_product=True),
+      "negative": _topic_writer("complaint", about_product=True), "neutral": _mixed_review},
+     ("Judge the overall tone, not single sentences.", "A review that praises and criticises in equal measure is neutral.")),
+    ("ticket-routing", "You route customer support tickets to a team.", "Ticket",
+     {team: _topic_writer(f"support-{team}") for team in ("billing", "shipping", "account", "technical")},
+     ("Pick the team that can solve the main problem.", "Refunds and discount codes belong to billing.", "Login and password problems belong to account.")),
+    ("product-category", "You sort product reviews into shop categories.", "Product",
+     {category: _category_review(category) for category in text.CATEGORY_PRODUCTS},
+     ("The product name decides the category, not the tone of the review.", "Headphones, speakers and earbuds are audio.")),
+    ("document-topic", "You tag internal documents by topic.", "Document",
+     {"policy": _topic_writer("policy"), "technical": _topic_writer("technical"), "company news": _topic_writer("company")},
+     ("Choose the tag that fits most of the text.", "Rules that staff must follow are policy.", "Announcements about offices, people and results are company news.")),
+)  # fmt: skip
+
+
+def _classify(
+    rng: random.Random, count: _Tokens, p: dict[str, Any]
+) -> tuple[list, list[int], str, list[list[str]], list[str]]:
+    """Rows of ``p["tasks"]`` tasks in turn (row i: task i % tasks), each input written for a
+    label drawn uniformly; returns prompts, max_tokens, description, choices and gold."""
+    tasks = _CLASSIFY_TASKS[: p["tasks"]]
+    prefixes, budgets = [], []
+    for _name, persona, field, writers, rules in tasks:
+        labels = list(writers)
+        target = _draw(rng, p["prefix_tokens"])
+        head = f"{persona} Answer with exactly one of: {', '.join(labels)}."
+        system, used = _append_while_under(head, rules + _GENERAL_RULES, 0.3 * target, count)
+        prefix = [{"role": "system", "content": system}]
+        # few-shot turns fill the rest, at least min_examples: every label once, then again
+        shown = rng.sample(labels, len(labels))
+        while used < target or len(prefix) <= 2 * p["min_examples"]:
+            label = shown[(len(prefix) // 2) % len(shown)]
+            want = max(1, min(_draw(rng, p["input_tokens"]), target - used - 8))
+            user = f"{field}: {writers[label](rng, count, want)}"
+            used += sum(count([user, label]))
+            prefix += [{"role": "user", "content": user}, {"role": "assistant", "content": label}]
+        prefixes.append(prefix)
+        budgets.append(max(count(labels)) + p["extra_tokens"])
+    seen: list[set[str]] = [set() for _ in tasks]
+    prompts: list = []
+    max_tokens: list[int] = []
+    choices: list[list[str]] = []
+    gold: list[str] = []
+    for row in range(p["rows"]):
+        task = row % len(tasks)
+        _name, _persona, field, writers, _rules = tasks[task]
+        label = rng.choice(list(writers))
+        length = _draw(rng, p["input_tokens"])
+        written = _unique(partial(writers[label], rng, count, length), seen[task])
+        prompts.append([*prefixes[task], {"role": "user", "content": f"{field}: {written}"}])
+        max_tokens.append(budgets[task])
+        choices.append(list(writers))
+        gold.append(label)
+    names = ", ".join(f"{t[0]} ({len(t[3])} labels)" for t in tasks)
+    description = (
+        f"{p['rows']} short rows over {len(tasks)} labelling tasks in turn ({names}): each "
+        f"task's system prompt, instructions and examples (~{p['prefix_tokens'][0]}-"
+        f"{p['prefix_tokens'][1]} tokens) are shared by its rows; each input is written for "
+        "one of its task's labels"
+    )
+    return prompts, max_tokens, description, choices, gold
 
 
 _BUILDERS: dict[
