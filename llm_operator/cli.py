@@ -47,6 +47,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="run in this process, on Spark (local mode) or on Dask",
     )
     run.add_argument("--partitions", type=int, default=2, help="partitions for spark and dask")
+    run.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="a folder where finished rows are written as they complete; the same command "
+        "run again after a crash finishes only what is missing",
+    )
+    run.add_argument(
+        "--checkpoint-rows",
+        type=int,
+        default=1000,
+        help="rows per checkpointed chunk (default: 1000)",
+    )
     _add_model_option(run)
     option_table.add_arguments(run)
 
@@ -162,9 +174,12 @@ def command_run(args) -> int:
     table_format(args.output)  # fail on a bad output name before any work
     options = option_table.from_arguments(args)
     table, prompts = _load_prompts(args)
-    results, seconds, stats = generate(
-        prompts, engine=args.engine, model=args.model, partitions=args.partitions, **options
-    )
+    if args.checkpoint is not None:
+        results, seconds, stats = _run_checkpointed(args, prompts, options)
+    else:
+        results, seconds, stats = generate(
+            prompts, engine=args.engine, model=args.model, partitions=args.partitions, **options
+        )
     with_scores = bool(options.get("logprobs"))
     table = add_result_columns(
         table,
@@ -184,6 +199,35 @@ def command_run(args) -> int:
         )
     print(f"{line}; wrote {args.output}")
     return 0
+
+
+def _run_checkpointed(args, prompts: list, options: dict):
+    """``generate`` chunk by chunk, each finished chunk saved in the checkpoint folder;
+    chunks already there are not run again."""
+    from llm_operator.checkpoint import Checkpoint, fingerprint
+    from llm_operator.integrations.engines import generate
+
+    started = time.perf_counter()
+    checkpoint = Checkpoint(
+        args.checkpoint,
+        job=fingerprint(args.model, options, prompts),
+        rows=len(prompts),
+        chunk_rows=args.checkpoint_rows,
+    )
+    missing = checkpoint.missing()
+    done = len(checkpoint.chunks()) - len(missing)
+    if done:
+        print(f"checkpoint: {done} of {len(checkpoint.chunks())} chunks done already")
+    for start, end in missing:
+        results, _, _ = generate(
+            prompts[start:end],
+            engine=args.engine,
+            model=args.model,
+            partitions=args.partitions,
+            **options,
+        )
+        checkpoint.save(start, end, results)
+    return checkpoint.results(), time.perf_counter() - started, None
 
 
 def command_plan(args) -> int:
