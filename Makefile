@@ -31,7 +31,7 @@ test-vllm: $(VLLM_VENV)/.installed
 
 # the property-based tests with thousands of cases per surface (the suite runs a few dozen)
 fuzz: $(VENV)/.installed-test
-	HYPOTHESIS_PROFILE=long $(PY) -m pytest -q tests/test_fuzz.py tests/test_fuzz_cli.py --hypothesis-show-statistics
+	HYPOTHESIS_PROFILE=long $(PY) -m pytest -q tests/test_fuzz.py tests/test_fuzz_cli.py tests/test_fuzz_frames.py tests/test_planner.py --hypothesis-show-statistics
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 
 import numpy as np
 import pytest
@@ -159,7 +160,8 @@ def batches(draw):
     return prompts, max_tokens, merge_keys
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=3000 if os.environ.get("HYPOTHESIS_PROFILE") == "long" else 150,
+          deadline=None)  # fmt: skip
 @given(
     batch=batches(),
     min_shared_tokens=st.integers(1, 6),
