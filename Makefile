@@ -9,7 +9,7 @@ VLLM_VENV ?= .venv-vllm
 # torch: the CPU wheel on a machine without an NVIDIA GPU, the default CUDA build otherwise
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.4' || echo 'torch==2.13.0')
 
-.PHONY: demo test test-vllm lint setup setup-test bench bench-quick vllm-env clean fuzz
+.PHONY: demo test test-vllm lint setup setup-test bench bench-quick vllm-env clean fuzz test-faults scale
 
 demo: $(VENV)/.installed-run
 	$(VENV)/bin/llm-operator demo
@@ -32,6 +32,16 @@ test-vllm: $(VLLM_VENV)/.installed
 # the property-based tests with thousands of cases per surface (the suite runs a few dozen)
 fuzz: $(VENV)/.installed-test
 	HYPOTHESIS_PROFILE=long $(PY) -m pytest -q tests/test_fuzz.py tests/test_fuzz_cli.py tests/test_fuzz_frames.py tests/test_planner.py --hypothesis-show-statistics
+
+# the fault tests with the local-cluster one (an executor JVM killed mid-job; 1-2 min)
+test-faults: $(VENV)/.installed-test
+	LLM_OPERATOR_CLUSTER_TESTS=1 $(PY) -m pytest -q tests/test_faults.py
+
+# rows/s and peak memory (driver, JVM, each Python worker) at 25k and 100k rows through
+# Spark and Dask with a tiny model, and the planner's at 1M prompts (about 10 GiB);
+# bench-results/scale/scale.json. SCALE_ARGS="--rows 400000" etc. (--help)
+scale: $(VENV)/.installed-test
+	$(PY) -m llm_operator.bench.scale $(SCALE_ARGS)
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
