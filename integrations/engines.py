@@ -29,7 +29,8 @@ def generate(
     **options: Any,
 ) -> Generated:
     """Results in input order. ``options``: any engine, sampling or prompt option
-    (``llm_operator.options``), passed the same way to every engine."""
+    (``llm_operator.options``), passed the same way to every engine (``progress`` shows a
+    bar on the local engine; Spark and Dask workers log a line per partition instead)."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
@@ -43,10 +44,11 @@ def generate(
         operator = get_operator(checked)
         results = operator.generate(checked.prompts(list(prompts)), checked.sampling)
         stats = operator.last_stats
-    elif engine == "spark":
-        results = _spark(prompts, {"model": model, **options}, partitions)
     else:
-        results = _dask(prompts, {"model": model, **options}, partitions)
+        # workers report one log line per partition; their progress bars would interleave
+        worker_options = {"model": model, **options, "progress": False}
+        run = _spark if engine == "spark" else _dask
+        results = run(prompts, worker_options, partitions)
     return Generated(results, time.perf_counter() - started, stats)
 
 
