@@ -222,6 +222,7 @@ class Constraints:
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self._tries: dict[tuple[str, ...], ChoiceTrie] = {}
+        self._choice_tokens: dict[tuple[str, ...], list[list[int]]] = {}
         self._grammars: dict[tuple[str, str], object] = {}
         self._compiler = None
 
@@ -243,8 +244,14 @@ class Constraints:
         return trie
 
     def choice_tokens(self, choices: tuple[str, ...]) -> list[list[int]]:
-        """Each choice's tokens, as the output spells it (no special tokens)."""
-        return [self.tokenizer(c, add_special_tokens=False)["input_ids"] for c in choices]
+        """Each choice's tokens, as the output spells it (no special tokens); tokenized
+        once per distinct choice list."""
+        tokens = self._choice_tokens.get(choices)
+        if tokens is None:
+            tokens = self._choice_tokens[choices] = [
+                self.tokenizer(c, add_special_tokens=False)["input_ids"] for c in choices
+            ]
+        return tokens
 
     def grammar(self, kind: str, value: str):
         compiled = self._grammars.get((kind, value))

@@ -209,3 +209,40 @@ def hf_generate_greedy(
             generation_config=generation_config,
         )
     return output[0, input_ids.shape[1] :].tolist()
+
+
+def hf_generate_under(model, ids: list[int], max_new_tokens: int, processor, eos: list[int]):
+    """The constrained oracle: greedy HF ``generate`` on one prompt under a logits
+    ``processor``; (the new tokens, the raw logits of each step)."""
+    from transformers import LogitsProcessorList
+
+    input_ids = torch.tensor([list(ids)])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            logits_processor=LogitsProcessorList([processor]),
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences[0, len(ids) :].tolist(), out.logits
+
+
+def assert_prefix_of_hf(result, hf_tokens: list[int], eos: list[int]) -> None:
+    """A constrained row's tokens are HF's, less the one end token HF spends where the
+    constraint leaves nothing but the end (the operator ends the row without that step)."""
+    n = len(result.token_ids)
+    assert list(result.token_ids) == hf_tokens[:n], (result, hf_tokens)
+    assert hf_tokens[n:] in ([], [hf_tokens[-1]]) and (n == len(hf_tokens) or hf_tokens[n] in eos)
+
+
+def hf_logprob(model, ids: list[int], tokens: list[int]) -> float:
+    """log P(tokens | ids) under the model, without any mask (one forward pass)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([list(ids) + list(tokens)])).logits[0].float()
+    log_probs = torch.log_softmax(logits, -1)
+    return sum(log_probs[len(ids) - 1 + i, t].item() for i, t in enumerate(tokens))

@@ -7,7 +7,8 @@ import json
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from helpers import assert_prefix_of_hf, hf_generate_under, hf_logprob
+from transformers import LogitsProcessor
 
 from llm_operator import LLMOperator, SamplingParams
 from llm_operator.constraints import ChoiceTrie
@@ -51,35 +52,10 @@ class _TrieMask(LogitsProcessor):
         return masked
 
 
-def _hf(model, ids: list[int], max_new_tokens: int, processor, eos: list[int]):
-    """Greedy generate under ``processor``: (new tokens, raw logits per step)."""
-    input_ids = torch.tensor([ids])
-    with torch.no_grad():
-        out = model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            logits_processor=LogitsProcessorList([processor]),
-            eos_token_id=eos,
-            pad_token_id=eos[0],
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    return out.sequences[0, len(ids) :].tolist(), out.logits
-
-
 def _reference(model_dir):
     from helpers import _load_reference_model
 
     return _load_reference_model(str(model_dir.resolve()))
-
-
-def _check_prefix_of_hf(ours, hf_tokens, eos) -> None:
-    """Ours stops where the constraint leaves nothing but the end: HF then generates EOS."""
-    n = len(ours.token_ids)
-    assert list(ours.token_ids) == hf_tokens[:n]
-    assert n == len(hf_tokens) or hf_tokens[n] in eos
 
 
 @pytest.mark.parametrize("backend", ["hf", "native"])
@@ -93,8 +69,8 @@ def test_choices_match_generate_with_the_same_mask(tiny_llama_dir, backend) -> N
     for prompt, ids, result in zip(PROMPTS, op.tokenize(PROMPTS), results):
         assert result.text in CHOICES, (prompt, result)
         assert result.finish_reason == "stop" and result.error is None
-        hf_tokens, _ = _hf(model, ids, 16, _TrieMask(trie, len(ids), eos), eos)
-        _check_prefix_of_hf(result, hf_tokens, eos)
+        hf_tokens, _ = hf_generate_under(model, ids, 16, _TrieMask(trie, len(ids), eos), eos)
+        assert_prefix_of_hf(result, hf_tokens, eos)
     # a decided choice is appended without model steps
     assert op.last_stats.forced_tokens > 0
     assert op.last_stats.output_tokens == sum(r.completion_tokens for r in results)
@@ -112,7 +88,7 @@ def test_logprobs_and_choice_logprobs_are_the_unconstrained_model_s(
     trie = op.constraints().trie(CHOICES)
     eos = sorted(op.model_info.eos_token_ids)
     for ids, result in zip(op.tokenize(PROMPTS[:2]), results):
-        hf_tokens, raw = _hf(model, ids, 16, _TrieMask(trie, len(ids), eos), eos)
+        hf_tokens, raw = hf_generate_under(model, ids, 16, _TrieMask(trie, len(ids), eos), eos)
         n = len(result.token_ids)
         assert list(result.token_ids) == hf_tokens[:n]
         expected = sum(
@@ -122,10 +98,7 @@ def test_logprobs_and_choice_logprobs_are_the_unconstrained_model_s(
         assert set(result.choice_logprobs) == set(CHOICES)
         for choice, logprob in result.choice_logprobs.items():
             tokens = op.tokenizer(choice, add_special_tokens=False)["input_ids"]
-            with torch.no_grad():
-                logits = model(torch.tensor([ids + tokens])).logits[0].float()
-            log_probs = torch.log_softmax(logits, -1)
-            want = sum(log_probs[len(ids) - 1 + i, t].item() for i, t in enumerate(tokens))
+            want = hf_logprob(model, ids, tokens)
             assert logprob == pytest.approx(want, abs=1e-3), choice
     # plain rows report a logprob too, and rows without logprobs report none
     plain = op.generate(PROMPTS[:1], SamplingParams(max_tokens=4, logprobs=True))[0]
@@ -151,8 +124,10 @@ def test_regex_and_json_schema_match_generate_with_xgrammar_s_processor(
         results = op.generate(PROMPTS[:2], params)
         for ids, result in zip(op.tokenize(PROMPTS[:2]), results):
             compiled = op.constraints().grammar(kind, value)
-            hf_tokens, _ = _hf(model, ids, params.max_tokens, GrammarProcessor(compiled), eos)
-            _check_prefix_of_hf(result, hf_tokens, eos)
+            hf_tokens, _ = hf_generate_under(
+                model, ids, params.max_tokens, GrammarProcessor(compiled), eos
+            )
+            assert_prefix_of_hf(result, hf_tokens, eos)
             assert result.finish_reason == "stop" and result.error is None, result
             if kind == "json_schema":
                 value_out = json.loads(result.text)

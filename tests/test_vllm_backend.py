@@ -22,7 +22,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_INITIALIZER_RANGE, hf_generate_greedy, tiny_config
+from helpers import (
+    TINY_INITIALIZER_RANGE,
+    assert_prefix_of_hf,
+    hf_generate_greedy,
+    hf_generate_under,
+    hf_logprob,
+    tiny_config,
+)
 
 from llm_operator.engine.run import Run, run_plan
 from llm_operator.engine.vllm_driver import (
@@ -290,40 +297,6 @@ def reference(vllm_llama_dir: Path):
     return _load_reference_model(str(vllm_llama_dir.resolve()))
 
 
-def _hf_constrained(model, ids: list[int], max_new_tokens: int, compiled, eos: list[int]):
-    """Greedy HF ``generate`` under xgrammar's logits processor for ``compiled``."""
-    from transformers import LogitsProcessorList
-    from xgrammar.contrib.hf import LogitsProcessor as GrammarProcessor
-
-    input_ids = torch.tensor([ids])
-    with torch.no_grad():
-        out = model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            logits_processor=LogitsProcessorList([GrammarProcessor(compiled)]),
-            eos_token_id=eos,
-            pad_token_id=eos[0],
-        )
-    return out[0, len(ids) :].tolist()
-
-
-def _unconstrained_logprob(model, ids: list[int], tokens: list[int]) -> float:
-    """log P(tokens | ids) under the model, without any mask."""
-    with torch.no_grad():
-        logits = model(torch.tensor([ids + list(tokens)])).logits[0].float()
-    log_probs = torch.log_softmax(logits, -1)
-    return sum(log_probs[len(ids) - 1 + i, t].item() for i, t in enumerate(tokens))
-
-
-def _same_as_hf(result, hf_tokens: list[int], eos: list[int]) -> None:
-    """vLLM's tokens are HF's, less the end token a row that had nothing else left drops."""
-    n = len(result.token_ids)
-    assert list(result.token_ids) == hf_tokens[:n], (result, hf_tokens)
-    assert hf_tokens[n:] in ([], [hf_tokens[-1]]) and (n == len(hf_tokens) or hf_tokens[n] in eos)
-
-
 def _vllm_choice_grammar(operator, choices):
     """The grammar vLLM builds for ``choices`` (a grammar over the strings), compiled as
     vLLM's xgrammar backend compiles it."""
@@ -347,8 +320,10 @@ def test_choices_match_generate_with_vllm_s_choice_grammar(operator, backend, re
     eos = sorted(operator.model_info.eos_token_ids)
     canonical = operator.constraints().choice_tokens(CHOICES)
     for ids, result in zip(operator.tokenize(C_PROMPTS), results):
-        hf_tokens = _hf_constrained(reference, ids, 16, compiled, eos)
-        _same_as_hf(result, hf_tokens, eos)
+        from xgrammar.contrib.hf import LogitsProcessor as GrammarProcessor
+
+        hf_tokens, _ = hf_generate_under(reference, ids, 16, GrammarProcessor(compiled), eos)
+        assert_prefix_of_hf(result, hf_tokens, eos)
         text = operator.tokenizer.decode(hf_tokens, skip_special_tokens=True)
         assert result.text == text and text in CHOICES, (result, text)
         assert result.finish_reason == "stop" and result.error is None
@@ -374,8 +349,11 @@ def test_regex_and_json_schema_match_generate_with_xgrammar_s_processor(
         results = operator.generate(C_PROMPTS, params)
         compiled = operator.constraints().grammar(kind, value)  # the grammar vLLM gets
         for ids, result in zip(operator.tokenize(C_PROMPTS), results):
-            hf_tokens = _hf_constrained(reference, ids, params.max_tokens, compiled, eos)
-            _same_as_hf(result, hf_tokens, eos)
+            from xgrammar.contrib.hf import LogitsProcessor as GrammarProcessor
+
+            processor = GrammarProcessor(compiled)
+            hf_tokens, _ = hf_generate_under(reference, ids, params.max_tokens, processor, eos)
+            assert_prefix_of_hf(result, hf_tokens, eos)
             assert result.finish_reason == "stop" and result.error is None, result
             assert result.text == operator.tokenizer.decode(hf_tokens, skip_special_tokens=True)
             # a complete JSON value, or three digits, leave only the end: vLLM's end token
@@ -430,7 +408,7 @@ def test_logprobs_and_choice_logprobs_are_the_unconstrained_model_s(
     for (prompt, params), result in zip(rows, results):
         ids = operator.tokenize([prompt])[0]
         assert result.error is None and result.logprob is not None, result
-        want = _unconstrained_logprob(reference, ids, list(result.token_ids))
+        want = hf_logprob(reference, ids, list(result.token_ids))
         assert result.logprob == pytest.approx(want, abs=1e-3), (prompt, params)
         if params.choices is None:
             assert result.choice_logprobs is None
@@ -439,7 +417,7 @@ def test_logprobs_and_choice_logprobs_are_the_unconstrained_model_s(
         assert set(result.choice_logprobs) == set(CHOICES)
         for choice, logprob in result.choice_logprobs.items():
             tokens = operator.tokenizer(choice, add_special_tokens=False)["input_ids"]
-            want = _unconstrained_logprob(reference, ids, tokens)
+            want = hf_logprob(reference, ids, tokens)
             assert logprob == pytest.approx(want, abs=1e-3), choice
     # one scoring request per choice and row, one per constrained row, and the retries
     scored = len(prompts) * len(CHOICES) + len(prompts) + 1
