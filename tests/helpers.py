@@ -246,3 +246,21 @@ def hf_logprob(model, ids: list[int], tokens: list[int]) -> float:
         logits = model(torch.tensor([list(ids) + list(tokens)])).logits[0].float()
     log_probs = torch.log_softmax(logits, -1)
     return sum(log_probs[len(ids) - 1 + i, t].item() for i, t in enumerate(tokens))
+
+
+# a closed JSON schema of every nesting the typed value maps (an object, an array): a random
+# tiny model completes it (booleans, enums, a bounded array) in ~70 tokens
+TYPED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "label": {"enum": ["red", "blue"]},
+        "detail": {
+            "type": "object",
+            "properties": {"urgent": {"type": "boolean"}},
+            "required": ["urgent"],
+        },
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["ok", "label", "detail", "tags"],
+}

@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from distributed import Client, LocalCluster
+from helpers import TYPED_SCHEMA
 
 from llm_operator import LLMOperator, SamplingParams
 from llm_operator.integrations import dask as llm_dask
@@ -227,21 +228,7 @@ def test_co_locate_sample_is_deterministic():
 
 
 # -- constrained outputs ------------------------------------------------------------------
-# closed schemas: a random tiny model completes them within a few tokens
-TYPED_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "ok": {"type": "boolean"},
-        "label": {"enum": ["red", "blue"]},
-        "detail": {
-            "type": "object",
-            "properties": {"urgent": {"type": "boolean"}},
-            "required": ["urgent"],
-        },
-        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
-    },
-    "required": ["ok", "label", "detail", "tags"],
-}
+# closed schemas (TYPED_SCHEMA in helpers): a random tiny model completes them
 # no single type for "x": Spark refuses it; Dask keeps the parsed JSON as it is
 UNION_SCHEMA = {
     "type": "object",

@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("pyspark")
 
 import pandas as pd  # noqa: E402
+from helpers import TYPED_SCHEMA  # noqa: E402
 from pyspark import cloudpickle  # noqa: E402
 from pyspark.resource import ResourceInformation  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
@@ -275,21 +276,6 @@ def test_null_and_empty_prompts_get_error_rows(spark, model_dir, reference):
 
 
 # -- constrained outputs ------------------------------------------------------------
-# closed: a random tiny model completes it (booleans, enums, a bounded array) in ~70 tokens
-TYPED_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "ok": {"type": "boolean"},
-        "label": {"enum": ["red", "blue"]},
-        "detail": {
-            "type": "object",
-            "properties": {"urgent": {"type": "boolean"}},
-            "required": ["urgent"],
-        },
-        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
-    },
-    "required": ["ok", "label", "detail", "tags"],
-}
 # every type the value maps, for the conversion test (texts are given, not generated)
 EVERY_TYPE_SCHEMA = {
     "type": "object",
