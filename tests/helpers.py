@@ -6,6 +6,7 @@ folder on sys.path).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from collections.abc import Sequence
@@ -264,3 +265,15 @@ TYPED_SCHEMA = {
     },
     "required": ["ok", "label", "detail", "tags"],
 }
+
+
+@contextlib.contextmanager
+def job_group(spark, name: str):
+    """Run the Spark jobs inside as job group ``name``; yields the status tracker."""
+    context = spark.sparkContext
+    context.setJobGroup(name, name)
+    try:
+        yield context.statusTracker()
+    finally:
+        for key in ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel"):
+            context.setLocalProperty(key, None)  # type: ignore[arg-type]

@@ -34,6 +34,7 @@ from typing import Any
 
 import pandas as pd
 import pytest
+from helpers import job_group
 
 MAX_TOKENS = 6
 SAMPLED = dict(temperature=0.9, seed=1234)  # seeded sampling: the same text on a retry
@@ -147,20 +148,16 @@ def _spark_rows(df) -> dict[int, tuple]:
 
 @contextlib.contextmanager
 def _job_group(spark, name: str):
-    """Count the failed task attempts of the jobs run inside."""
-    context = spark.sparkContext
-    context.setJobGroup(name, name)
+    """Count the failed task attempts of the jobs run inside (``helpers.job_group``)."""
     counts = {"failed_tasks": 0}
-    try:
-        yield counts
-    finally:
-        tracker = context.statusTracker()
-        for job in tracker.getJobIdsForGroup(name):
-            for stage in tracker.getJobInfo(job).stageIds:
-                info = tracker.getStageInfo(stage)
-                counts["failed_tasks"] += info.numFailedTasks if info else 0
-        for key in ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel"):
-            context.setLocalProperty(key, None)  # type: ignore[arg-type]
+    with job_group(spark, name) as tracker:
+        try:
+            yield counts
+        finally:
+            for job in tracker.getJobIdsForGroup(name):
+                for stage in tracker.getJobInfo(job).stageIds:
+                    info = tracker.getStageInfo(stage)
+                    counts["failed_tasks"] += info.numFailedTasks if info else 0
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ worker, task retries. All Spark tests share the session-scoped ``spark`` fixture
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -16,7 +15,7 @@ import pytest
 pytest.importorskip("pyspark")
 
 import pandas as pd  # noqa: E402
-from helpers import TYPED_SCHEMA  # noqa: E402
+from helpers import TYPED_SCHEMA, job_group  # noqa: E402
 from pyspark import cloudpickle  # noqa: E402
 from pyspark.resource import ResourceInformation  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
@@ -110,17 +109,6 @@ def _prompt_template():
 
 def _records(rows, column: str = "out") -> list[dict]:
     return [rows_out.asDict() for rows_out in (row[column] for row in rows)]
-
-
-@contextlib.contextmanager
-def job_group(spark, name: str):
-    context = spark.sparkContext
-    context.setJobGroup(name, name)
-    try:
-        yield context.statusTracker()
-    finally:
-        for key in ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel"):
-            context.setLocalProperty(key, None)  # type: ignore[arg-type]
 
 
 # -- driver-side checks ---------------------------------------------------------------
