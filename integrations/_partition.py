@@ -13,6 +13,7 @@ first, so each group stays whole while partition sizes stay balanced.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -27,6 +28,7 @@ from llm_operator.config import EngineConfig
 from llm_operator.integrations.json_values import ValueType, parse_value, value_type
 from llm_operator.prompts import as_chat
 from llm_operator.sampling import SamplingParams
+from llm_operator.table_prompt import TablePrompt, table_options
 
 logger = logging.getLogger("llm_operator.integrations")
 
@@ -55,6 +57,9 @@ class InferOptions:
     sampling: SamplingParams
     chat: bool = False
     system: str | None = None
+    table: TablePrompt | None = None  # template= or columns= (and instruction=)
+    reorder_fields: bool = False
+    dedupe: bool = False
 
     def engine_key(self, device: str | None = None) -> tuple:
         return (self.model, self.engine, device)
@@ -88,13 +93,24 @@ def make_options(
     scoped = option_table.split(options)
     prompt = {**option_table.defaults("prompt"), **scoped["prompt"]}
     for name, value in prompt.items():
-        option_table.BY_NAME[name].validate(value)
+        prompt[name] = option_table.BY_NAME[name].validate(value)
+    table = table_options(prompt)
+    if prompt["reorder_fields"] and table is None:
+        raise ValueError("reorder_fields needs a template or columns: the fields to reorder")
+    if prompt["reorder_fields"] and not table.movable:
+        raise ValueError(
+            "reorder_fields: the template has no movable lines; put each field to reorder "
+            f"on its own line, in a run of such lines (template: {table.text()!r:.120})"
+        )
     return InferOptions(
         model=os.fspath(model),
         engine=EngineConfig(**scoped["engine"]),
         sampling=SamplingParams(**scoped["sampling"]),
         chat=prompt["chat"] or prompt["system"] is not None,
         system=prompt["system"],
+        table=table,
+        reorder_fields=prompt["reorder_fields"],
+        dedupe=prompt["dedupe"],
     )
 
 
@@ -154,14 +170,19 @@ def run_partition(
     if not values:
         return []
     operator = get_operator(options, device)
+    distinct, positions = dedupe(values) if options.dedupe else (values, None)
     lock = _partition_lock(operator)
     with lock:  # one generate at a time per engine (threaded workers share it)
-        results = operator.generate(options.prompts(values), options.sampling)
+        results = operator.generate(options.prompts(distinct), options.sampling)
         stats = operator.last_stats
+    if positions is not None:
+        results = [results[i] for i in positions]
     logger.info(
-        "%s: %d rows (%d errors), %d prompt tokens, %d prefilled, %d output tokens, %.2f s, saving ratio %.1f%%",
+        "%s: %d rows%s (%d errors), %d prompt tokens, %d prefilled, %d output tokens, %.2f s, "
+        "saving ratio %.1f%%",
         label,
         len(values),
+        f", {len(distinct)} distinct prompts" if positions is not None else "",
         stats.error_rows,
         stats.prompt_tokens,
         stats.prefill_tokens_computed,
@@ -170,6 +191,36 @@ def run_partition(
         100 * stats.saving_ratio,
     )
     return results
+
+
+def dedupe(values: Sequence[Any]) -> tuple[list[Any], list[int]]:
+    """(each distinct prompt once, in first-seen order; each row's index into them).
+    Chat message lists compare by their JSON; missing prompts stay one row each (they
+    become error rows)."""
+    distinct: list[Any] = []
+    index: dict[Any, int] = {}
+    positions: list[int] = []
+    for value in values:
+        key = _prompt_key(value)
+        if key is None or key not in index:
+            if key is not None:
+                index[key] = len(distinct)
+            positions.append(len(distinct))
+            distinct.append(value)
+        else:
+            positions.append(index[key])
+    return distinct, positions
+
+
+def _prompt_key(value: Any) -> Any:
+    if isinstance(value, str):
+        return ("text", value)
+    if isinstance(value, list):
+        try:
+            return ("chat", json.dumps(value, sort_keys=True, ensure_ascii=False))
+        except (TypeError, ValueError):
+            return None
+    return None
 
 
 _partition_locks: dict[int, threading.Lock] = {}

@@ -29,6 +29,7 @@ from llm_operator.integrations._partition import (
     InferOptions,
     PrefixPartitioner,
     build_partitioner,
+    logger,
     make_options,
     result_records,
     run_partition,
@@ -44,6 +45,7 @@ STRING_DTYPE = pd.StringDtype("pyarrow")
 _PARTITION = "__llm_operator_partition__"  # the target partition of each row
 _ORDER = "__llm_operator_order__"  # input order: (input partition << 32) | row in it
 _INDEX = "__llm_operator_index__"  # the original index, restored at the end
+_PROMPT = "__llm_operator_prompt__"  # prompts rendered from template= or columns=
 
 
 _DTYPES = {
@@ -68,7 +70,7 @@ def result_columns(output: str, value: bool = False) -> dict[str, tuple[str, Any
 
 def llm_infer(
     ddf: dd.DataFrame,
-    col: Hashable,
+    col: Hashable | None = None,
     *,
     output: str = "out",
     model: Any,
@@ -93,26 +95,66 @@ def llm_infer(
 
     col: a column of strings (string or object dtype); with ``chat=True`` (or a
         ``system`` prompt) each string becomes a user message. Missing and empty
-        prompts become error rows; they never fail the partition.
+        prompts become error rows; they never fail the partition. Or None, with
+        ``template="... {title} ..."`` or ``columns=[...]`` (and ``instruction``): each
+        row's prompt is rendered from its columns (``dask_tables``; nulls render
+        empty). Missing columns (ValueError) and dtypes that do not render (TypeError)
+        are refused here, before anything runs.
+    reorder_fields: one pass of statistics (``dask_tables.plan_table``) chooses the
+        order of the movable field lines that shares the most prefix; the prompts
+        render in it and rows are co-located by them (``co_locate``).
+    dedupe: rows are co-located by the prompt and each partition computes each
+        distinct prompt once; identical prompts get identical outputs.
+        With either, rows move between partitions (index labels kept, divisions unknown).
     model and the engine options: which engine each worker process builds once and reuses
         (``LLMOperator`` arguments; ``engine_options`` takes them as a mapping too).
     options: every engine, sampling and prompt option (``llm_operator.options``),
         constrained outputs included: ``choices``, ``regex``, ``json_schema``, ``logprobs``.
     """
-    _check_prompt_column(ddf, col)
     if not isinstance(output, str) or not output:
         raise TypeError(f"output must be a non-empty string, got {output!r}")
     schema = options.get("json_schema")  # as given: its property order
     options = make_options(model=model, engine_options=engine_options, **options)
     value_type = typed_value(schema, value, untyped=True)
     columns = result_columns(output, value_type is not None)
+    if options.table is not None:
+        if col is not None:
+            raise ValueError("give col or a template/columns, not both")
+        if not isinstance(ddf, dd.DataFrame):
+            raise TypeError(f"ddf must be a dask.dataframe.DataFrame, got {type(ddf).__name__}")
+    else:
+        if col is None:
+            raise ValueError("give col (the prompt column) or template= or columns=")
+        _check_prompt_column(ddf, col)
     existing = [name for name, _ in columns.values() if name in ddf.columns]
     if existing:
         raise ValueError(
             f"output={output!r} would overwrite existing column(s) {existing}; choose another output"
         )
-    meta = _with_results(ddf._meta, [], output, value_type is not None)
-    return ddf.map_partitions(_infer_partition, col, options, output, value_type, meta=meta)
+    frame, key = ddf, col
+    if options.table is not None:
+        frame, key = _rendered(ddf, options)
+    if options.dedupe or options.reorder_fields:  # identical prompts meet in one partition
+        frame = co_locate(frame, key)
+    meta = _with_results(frame._meta, [], output, value_type is not None)
+    result = frame.map_partitions(_infer_partition, key, options, output, value_type, meta=meta)
+    return result.drop(columns=[_PROMPT]) if key == _PROMPT else result
+
+
+def _rendered(ddf: dd.DataFrame, options: InferOptions) -> tuple[dd.DataFrame, str]:
+    """``ddf`` plus the rendered prompt column (in the chosen order with reorder_fields)."""
+    from llm_operator.integrations.dask_tables import check_table, plan_table, render_partition
+
+    if _PROMPT in ddf.columns:
+        raise ValueError(f"ddf has llm_infer's reserved column {_PROMPT!r}; rename it")
+    prompt = options.table
+    check_table(ddf, prompt)
+    if options.reorder_fields:
+        plan = plan_table(ddf, prompt)
+        logger.info("llm_infer fields:\n%s", plan.report())
+        prompt = plan.chosen
+    rendered = ddf.map_partitions(render_partition, prompt, meta=(_PROMPT, object))
+    return ddf.assign(**{_PROMPT: rendered}), _PROMPT
 
 
 keyword_signature(llm_infer, SCOPES)

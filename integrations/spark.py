@@ -89,7 +89,7 @@ def result_type(value_type: ValueType | None = None) -> T.StructType:
 
 
 def llm_infer(
-    col: str | Column,
+    col: str | Column | None = None,
     *,
     model: Any,
     engine_options: Mapping[str, Any] | None = None,
@@ -101,7 +101,12 @@ def llm_infer(
 
     col: a column name or a Column expression (e.g. an ``F.format_string`` or
         ``F.concat`` template) of strings, or of chat message lists
-        (``array<struct<role, content>>`` or ``array<map<string, string>>``).
+        (``array<struct<role, content>>`` or ``array<map<string, string>>``). Or None,
+        with ``template="... {title} ..."`` or ``columns=[...]`` (and ``instruction``):
+        the prompt is rendered from the row's columns (``spark_tables``; nulls render
+        empty). ``reorder_fields`` needs the whole DataFrame: use ``llm_infer_df``;
+        ``dedupe`` here computes identical prompts once per partition (over the whole
+        DataFrame with ``llm_infer_df``, which co-locates them first).
     options: every engine, sampling and prompt option (``llm_operator.options``), e.g.
         ``backend``, ``max_batch_size``, ``max_tokens``, ``temperature``, ``stop``,
         ``seed``, ``chat``, ``system``; ``engine_options`` takes engine options as a mapping.
@@ -129,7 +134,12 @@ def llm_infer(
     options = make_options(model=model, engine_options=engine_options, **options)
     value_type = typed_value(schema, value)
     return_type = result_type(value_type)
-    column = _as_column(col, "col")
+    column = _prompt_source(col, options)
+    if options.reorder_fields:
+        raise ValueError(
+            "reorder_fields needs the whole DataFrame's statistics: use "
+            "llm_infer_df(df, template=..., reorder_fields=True, ...)"
+        )
 
     def infer(batches: Iterator[pd.Series]) -> Iterator[pd.DataFrame]:
         return infer_batches(batches, options, value_type)  # the closure holds only these
@@ -142,21 +152,60 @@ keyword_signature(llm_infer, SCOPES)
 
 
 def llm_infer_df(
-    df: DataFrame, col: str | Column, *, output: str = "out", **options: Any
+    df: DataFrame, col: str | Column | None = None, *, output: str = "out", **options: Any
 ) -> DataFrame:
     """``df`` with an ``output`` struct column from ``llm_infer(col, **options)``.
 
-    Unlike ``llm_infer`` alone, this resolves the prompt column's type on the driver
-    and raises TypeError for anything but strings or chat message lists, before any
-    job runs or any model loads.
+    Unlike ``llm_infer`` alone, this checks the prompt on the driver, before any job runs
+    or any model loads: TypeError for a prompt column of anything but strings or chat
+    message lists; with ``template``/``columns``, ValueError naming columns ``df``
+    lacks and TypeError naming columns that do not render (arrays, maps, structs,
+    binary). Over the whole DataFrame:
+
+    reorder_fields: one aggregate (``spark_tables.plan_table``: row count, mean field
+        lengths, approximate distinct counts of field sets) chooses the order of the
+        movable field lines that shares the most prefix; the prompts render in that
+        order and rows are co-located by them (``co_locate``). The order is logged.
+    dedupe: rows are co-located by the prompt, so identical prompts meet in one
+        partition, where each is computed once; identical prompts get identical outputs.
+    The output's rows come in the co-located order (Spark keeps no order anyway).
     """
     if not isinstance(df, DataFrame):
         raise TypeError(f"df must be a pyspark DataFrame, got {type(df).__name__}")
     if not isinstance(output, str) or not output:
         raise ValueError(f"output must be a non-empty column name, got {output!r}")
-    column = llm_infer(col, **options)  # validates the options first
-    check_prompt_type(df.select(_as_column(col, "col")).schema.fields[0].dataType)
-    return df.withColumn(output, column)
+    if output in df.columns:
+        raise ValueError(f"output={output!r} is a column of df already; choose another output")
+    checked = make_options(
+        model=options.get("model"),
+        **{k: v for k, v in options.items() if k not in ("model", "value")},
+    )
+    if checked.table is None:
+        column = llm_infer(col, **options)  # validates the options first
+        prompt_type = df.select(_as_column(col, "col")).schema.fields[0].dataType
+        check_prompt_type(prompt_type)
+        if checked.dedupe:  # identical prompts meet, then each partition computes them once
+            key, source = "__llm_operator_prompt", _as_column(col, "col")
+            if not isinstance(prompt_type, T.StringType):  # chat messages: by their JSON
+                source = F.to_json(source)
+            df = co_locate(df.withColumn(key, source), key).drop(key)
+        return df.withColumn(output, column)
+    if col is not None:
+        raise ValueError("give col or a template/columns, not both")
+    from llm_operator.integrations.spark_tables import plan_table, prompt_column
+
+    prompt = checked.table
+    if checked.reorder_fields:
+        plan = plan_table(df, prompt)
+        logger.info("llm_infer_df fields:\n%s", plan.report())
+        prompt = plan.chosen
+    key = "__llm_operator_prompt"
+    frame = df.withColumn(key, prompt_column(prompt, df))  # checks columns and types
+    if checked.reorder_fields or checked.dedupe:
+        frame = co_locate(frame, key)
+    rest = {k: v for k, v in options.items() if k not in ("template", "columns", "instruction")}
+    rest["reorder_fields"] = False  # done: the prompts are rendered in the chosen order
+    return frame.withColumn(output, llm_infer(key, **rest)).drop(key)
 
 
 def check_prompt_type(data_type: T.DataType) -> None:
@@ -345,6 +394,19 @@ def _keyed_by(partitioner: PrefixPartitioner, index: int):
 
 def _identity(partition: int) -> int:
     return partition
+
+
+def _prompt_source(col: Any, options: InferOptions) -> Column:
+    """The prompt column: ``col``, or the one ``template``/``columns`` render."""
+    if options.table is None:
+        if col is None:
+            raise ValueError("give col (the prompt column) or template= or columns=")
+        return _as_column(col, "col")
+    if col is not None:
+        raise ValueError("give col or a template/columns, not both")
+    from llm_operator.integrations.spark_tables import prompt_column
+
+    return prompt_column(options.table)
 
 
 def _as_column(col: Any, name: str) -> Column:

@@ -8,6 +8,7 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from llm_operator import options as option_table
 
@@ -22,10 +23,9 @@ def _add_model_option(parser: argparse.ArgumentParser) -> None:
 
 def _add_prompt_source(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", type=Path, help="a Parquet, CSV or JSONL file")
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompt-col", help="the column holding the prompts")
-    source.add_argument(
-        "--template", help='a prompt template over the columns, e.g. "Review: {text}\\nLabel:"'
+    parser.add_argument(
+        "--prompt-col",
+        help="the column holding the prompts (or build them with --template or --columns)",
     )
     parser.add_argument("--limit", type=int, help="only the first N rows")
 
@@ -156,30 +156,74 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load_prompts(args) -> tuple[object, list]:
+TABLE_OPTIONS = ("template", "columns", "instruction", "reorder_fields", "dedupe")
+"""Prompt options the CLI applies itself, to the whole table, before any engine runs."""
+
+
+class Loaded(NamedTuple):
+    table: Any  # the input pyarrow Table
+    prompts: list  # one per row: rendered (in the chosen order with --reorder-fields)
+    fields: Any  # the FieldPlan with --reorder-fields, else None
+    options: dict  # the engine, sampling and chat options left for the engines
+
+
+def _load_prompts(args) -> Loaded:
+    """The table and one prompt per row (``--prompt-col``, or rendered from
+    ``--template``/``--columns``); table options are checked before the table is read."""
+    from llm_operator.field_order import ArrowStatistics, plan_fields
+    from llm_operator.table_prompt import render_arrow, table_options
     from llm_operator.tables import prompts_from_table, read_table
 
+    options = option_table.from_arguments(args)
+    for name in TABLE_OPTIONS:
+        if name in options:
+            options[name] = option_table.BY_NAME[name].validate(options[name])
+    table_spec = dict(options)
+    prompt = table_options(table_spec)
+    if (prompt is None) == (args.prompt_col is None):
+        raise ValueError("give --prompt-col, or build prompts with --template or --columns")
+    reorder = options.get("reorder_fields", False)
+    if reorder and not prompt.movable:
+        raise ValueError(
+            "--reorder-fields: the template has no movable lines; put each field to reorder "
+            "on its own line, in a run of such lines"
+        )
     table = read_table(args.input)
     if args.limit is not None:
         if args.limit < 1:
             raise ValueError(f"--limit must be >= 1, got {args.limit}")
         table = table.slice(0, args.limit)
-    return table, prompts_from_table(table, prompt_col=args.prompt_col, template=args.template)
+    rest = {k: v for k, v in options.items() if k not in TABLE_OPTIONS}
+    if prompt is None:
+        return Loaded(table, prompts_from_table(table, prompt_col=args.prompt_col), None, rest)
+    fields = None
+    if reorder:
+        fields = plan_fields(prompt, ArrowStatistics(table, prompt))
+        prompt = fields.chosen
+    return Loaded(table, render_arrow(table, prompt), fields, rest)
 
 
 def command_run(args) -> int:
+    from llm_operator.integrations._partition import dedupe
     from llm_operator.integrations.engines import generate
     from llm_operator.tables import add_result_columns, table_format, write_table
 
     table_format(args.output)  # fail on a bad output name before any work
-    options = option_table.from_arguments(args)
-    table, prompts = _load_prompts(args)
+    table, prompts, fields, options = _load_prompts(args)
+    if fields is not None:
+        print(fields.report())
+    positions = None
+    if option_table.from_arguments(args).get("dedupe"):
+        prompts, positions = dedupe(prompts)
+        print(f"dedupe: {len(positions)} rows, {len(prompts)} distinct prompts to compute")
     if args.checkpoint is not None:
         results, seconds, stats = _run_checkpointed(args, prompts, options)
     else:
         results, seconds, stats = generate(
             prompts, engine=args.engine, model=args.model, partitions=args.partitions, **options
         )
+    if positions is not None:
+        results = [results[i] for i in positions]
     with_scores = bool(options.get("logprobs"))
     table = add_result_columns(
         table,
@@ -231,14 +275,57 @@ def _run_checkpointed(args, prompts: list, options: dict):
 
 
 def command_plan(args) -> int:
+    """The prefix-sharing plan from the tokenizer alone. With --template or --columns,
+    the plans of the given field order and of the order --reorder-fields chooses."""
     from llm_operator import LLMOperator, SamplingParams
+    from llm_operator.field_order import ArrowStatistics, plan_fields
+    from llm_operator.integrations._partition import dedupe
     from llm_operator.prompts import as_chat
+    from llm_operator.table_prompt import render_arrow, table_options
 
-    chosen = option_table.split(option_table.from_arguments(args))
-    _, prompts = _load_prompts(args)
+    table, prompts, fields, options = _load_prompts(args)
+    chosen = option_table.split(options)
+    prompt_options = {k: v for k, v in chosen["prompt"].items() if k not in TABLE_OPTIONS}
     op = LLMOperator(args.model, **chosen["engine"])
-    plan = op.plan(as_chat(prompts, **chosen["prompt"]), SamplingParams(**chosen["sampling"]))
-    print(json.dumps(plan.stats.as_dict(), indent=2) if args.json else plan.report())
+    sampling = SamplingParams(**chosen["sampling"])
+    deduplicate = option_table.from_arguments(args).get("dedupe", False)
+
+    def plan_of(rows: list):
+        if deduplicate:
+            rows = dedupe(rows)[0]
+        return op.plan(as_chat(rows, **prompt_options), sampling)
+
+    spec = table_options(dict(option_table.from_arguments(args)))
+    if spec is None or not spec.movable:  # one order only
+        plan = plan_of(prompts)
+        print(json.dumps(plan.stats.as_dict(), indent=2) if args.json else plan.report())
+        return 0
+    if fields is None:  # the statistics of both orders, even when the run keeps the given one
+        fields = plan_fields(spec, ArrowStatistics(table, spec))
+    plans = {
+        "given": plan_of(render_arrow(table, fields.given)),
+        "chosen": plan_of(prompts if fields.chosen == spec else render_arrow(table, fields.chosen)),
+    }
+    if args.json:
+        report = {
+            "rows": fields.rows,
+            "distinct_prompts": fields.distinct_prompts,
+            "dedupe": deduplicate,
+            **{
+                name: {"fields": list(getattr(fields, f"{name}_fields")), **plan.stats.as_dict()}
+                for name, plan in plans.items()
+            },
+            "estimate": fields.as_dict(),
+        }
+        print(json.dumps(report, indent=2))
+        return 0
+    print(fields.report())
+    for name, plan in plans.items():
+        print(f"\n{name} order: {', '.join(getattr(fields, f'{name}_fields'))}")
+        print(plan.report())
+    given, best = (plans[name].stats.prefill_tokens for name in ("given", "chosen"))
+    if given:
+        print(f"\nprefill tokens, chosen / given order: {best:,} / {given:,} = {best / given:.2f}")
     return 0
 
 

@@ -142,6 +142,23 @@ def _choices(name: str, value: Any) -> tuple[str, ...] | None:
     return labels
 
 
+def _column_names(name: str, value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} must be a list of column names, got {value!r:.80}")
+    names = tuple(value)
+    if not names:
+        raise ValueError(f"{name} must name at least one column, got an empty list")
+    for item in names:
+        if not isinstance(item, str) or not item:
+            raise TypeError(f"{name} must hold column names (non-empty strings), got {item!r}")
+    repeated = sorted({item for item in names if names.count(item) > 1})
+    if repeated:
+        raise ValueError(f"{name} names {repeated} more than once")
+    return names
+
+
 def _regex(name: str, value: Any) -> str | None:
     if value is None:
         return None
@@ -291,6 +308,23 @@ OPTIONS: tuple[Option, ...] = (
            _boolean, "bool", cli="flag"),
     Option("system", "prompt", None, "a system message before each prompt (implies chat)",
            _optional(_text), "str | None"),
+    # -- prompts built from a table's columns (llm_operator.table_prompt) -----------------
+    Option("template", "prompt", None,
+           'build each prompt from the row\'s columns, e.g. "Title: {title}\\nGenres: {genres}'
+           '\\nIs it a comedy?" (nulls render empty)', _optional(_text), "str | None"),
+    Option("columns", "prompt", None,
+           "build each prompt as the instruction, then one `name: value` line per column",
+           _column_names, "tuple[str, ...] | None", cli_type=_split_commas),
+    Option("instruction", "prompt", None, "the text before the columns' lines (with columns)",
+           _optional(_text), "str | None"),
+    Option("reorder_fields", "prompt", False,
+           "reorder the movable field lines (one field per line, in a run of such lines) to "
+           "share the most prefix over the whole table, and co-locate rows by the prompt",
+           _boolean, "bool", cli="flag"),
+    Option("dedupe", "prompt", False,
+           "compute identical prompts once over the whole table (co-locates rows by the "
+           "prompt; identical prompts then get identical outputs, sampled or not)",
+           _boolean, "bool", cli="flag"),
 )  # fmt: skip
 
 BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}

@@ -1,9 +1,8 @@
-"""Reading and writing Parquet, CSV and JSONL tables, and building prompts from rows."""
+"""Reading and writing Parquet, CSV and JSONL tables."""
 
 from __future__ import annotations
 
 import json
-import string
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -64,45 +63,15 @@ def write_table(table: pa.Table, path: str | Path) -> None:
                 f.write(_json_line(row))
 
 
-def template_fields(template: str) -> list[str]:
-    """The ``{field}`` names a template uses."""
-    fields = []
-    for _, name, _, _ in string.Formatter().parse(template):
-        if name is not None:
-            if name == "" or not name.isidentifier():
-                raise ValueError(
-                    f"template fields must be column names such as {{review}}, got {{{name}}}"
-                )
-            fields.append(name)
-    return fields
-
-
-def prompts_from_table(
-    table: pa.Table, *, prompt_col: str | None, template: str | None
-) -> list[str | None]:
-    """One prompt per row: a column's values, or a template filled from the row (None where a field is null)."""
-    if (prompt_col is None) == (template is None):
-        raise ValueError("give exactly one of prompt_col and template")
+def prompts_from_table(table: pa.Table, *, prompt_col: str) -> list:
+    """One prompt per row: the column's values (non-strings become error rows in generate).
+    Prompts built from several columns: ``llm_operator.table_prompt``."""
     columns = table.column_names
-    if prompt_col is not None:
-        if prompt_col not in columns:
-            raise ValueError(
-                f"prompt column {prompt_col!r} is not in the table; columns: {', '.join(columns)}"
-            )
-        values = table.column(prompt_col).to_pylist()
-        return values  # non-string values become per-row errors in generate
-    fields = template_fields(template)
-    missing = [f for f in fields if f not in columns]
-    if missing:
+    if prompt_col not in columns:
         raise ValueError(
-            f"template fields {missing} are not columns of the table; columns: {', '.join(columns)}"
+            f"prompt column {prompt_col!r} is not in the table; columns: {', '.join(columns)}"
         )
-    data = {f: table.column(f).to_pylist() for f in dict.fromkeys(fields)}
-    prompts: list[str | None] = []
-    for i in range(table.num_rows):
-        row = {f: data[f][i] for f in data}
-        prompts.append(None if any(v is None for v in row.values()) else template.format_map(row))
-    return prompts
+    return table.column(prompt_col).to_pylist()
 
 
 def add_result_columns(

@@ -31,7 +31,7 @@ def table(tmp_path):
 
 
 def _argv(table, out, model, checkpoint=None, *extra):
-    argv = ["run", str(table), "--template", "{text}\nLabel:", "--output", str(out)]
+    argv = ["run", str(table), "--prompt-col", "text", "--output", str(out)]
     argv += ["--model", str(model), "--max-tokens", "6", "--seed", "3", "--temperature", "0.7"]
     argv += ["--no-progress", *extra]
     if checkpoint is not None:

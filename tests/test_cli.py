@@ -62,16 +62,16 @@ def test_run_template_writes_outputs_in_order(tiny_llama_dir, reviews_csv, tmp_p
     ]
     rows = table.to_pylist()
     assert [r["id"] for r in rows] == [0, 1, 2, 3, 4]
-    # the null text makes that row an error; the others ran
-    assert rows[2]["out_finish_reason"] == "error" and rows[2]["out_error"] == "prompt is null"
+    # a null field renders as the empty value (the label stays): that row runs too
+    assert all(r["out_error"] is None for r in rows)
     op = LLMOperator(tiny_llama_dir)
-    for r in (rows[0], rows[1], rows[4]):
-        ids = op.tokenizer(template.format(text=r["text"]))["input_ids"]
+    for r in (rows[0], rows[1], rows[2], rows[4]):
+        ids = op.tokenizer(template.format(text=r["text"] or ""))["input_ids"]
         expected = hf_generate_greedy(tiny_llama_dir, ids, 5)
         assert r["out"] == op.tokenizer.decode(expected, skip_special_tokens=True)
         assert r["out_completion_tokens"] == len(expected)
     assert rows[0]["out"] == rows[3]["out"]
-    assert "5 rows (1 errors)" in capsys.readouterr().out
+    assert "5 rows (0 errors)" in capsys.readouterr().out
 
 
 def test_run_prompt_column_jsonl_chat(tiny_llama_dir, tmp_path):
@@ -119,8 +119,8 @@ def test_plan_prints_the_report_without_the_model(tiny_llama_dir, reviews_csv, c
     )
     assert code == 0
     stats = json.loads(capsys.readouterr().out)
-    assert stats["rows"] == 4  # the null row is left out
-    assert stats["requests"] == 3  # two identical rows merged
+    assert stats["rows"] == 5  # the null text renders as the empty value: a row like others
+    assert stats["requests"] == 4  # two identical rows merged
     assert stats["prefill_tokens"] < stats["prompt_tokens"]
 
 
@@ -128,7 +128,12 @@ def test_plan_prints_the_report_without_the_model(tiny_llama_dir, reviews_csv, c
     ("args", "message"),
     [
         (["--prompt-col", "missing"], "prompt column 'missing' is not in the table"),
-        (["--template", "Review: {nope}"], "template fields ['nope']"),
+        (["--template", "Review: {nope}"], "the prompt names column(s) ['nope']"),
+        (["--columns", "text,nope"], "the prompt names column(s) ['nope']"),
+        (["--columns", ""], "column names"),
+        ([], "give --prompt-col, or build prompts with --template or --columns"),
+        (["--prompt-col", "text", "--template", "{text}"], "give --prompt-col, or build"),
+        (["--template", "{text}", "--reorder-fields"], "no movable lines"),
     ],
 )
 def test_run_errors_name_the_problem(tiny_llama_dir, reviews_csv, tmp_path, capsys, args, message):
@@ -222,7 +227,7 @@ def test_run_on_spark_and_dask_equals_local(engine, tiny_llama_dir, reviews_csv,
     assert [r["id"] for r in outputs[engine]] == [0, 1, 2, 3, 4]
     for key in ("out", "out_finish_reason", "out_completion_tokens", "out_error"):
         assert [r[key] for r in outputs[engine]] == [r[key] for r in outputs["local"]], key
-    assert outputs[engine][2]["out_finish_reason"] == "error"
+    assert outputs[engine][2]["out_error"] is None  # the null text rendered as the empty value
 
 
 def test_bench_help_lists_every_workload_and_system(capsys):
@@ -251,6 +256,7 @@ LABELS = ("positive", "negative", "neutral")
 BASE_COLUMNS = [
     "id",
     "text",
+    "prompt",
     "out",
     "out_finish_reason",
     "out_prompt_tokens",
@@ -269,9 +275,15 @@ def _run_constrained(engine: str, source, folder, model_dir) -> dict[str, list[d
         "json": ["--json-schema", str(schema_file), "--max-tokens", "60", "--logprobs"],
     }
     outputs = {}
+    # prompts in a column, so that the null text stays a null prompt: an error row
+    table = pq.read_table(source)
+    prompts = [None if t is None else f"{SYSTEM}Review: {t}\nSentiment:" for t in
+               table.column("text").to_pylist()]  # fmt: skip
+    source = folder / f"{engine}-prompts.parquet"
+    pq.write_table(table.append_column("prompt", pa.array(prompts, pa.string())), source)
     for name, flags in runs.items():
         out = folder / f"{engine}-{name}.jsonl"
-        argv = ["run", str(source), "--template", SYSTEM + "Review: {text}\nSentiment:"]
+        argv = ["run", str(source), "--prompt-col", "prompt"]
         argv += ["--limit", "3", "--output", str(out), "--model", str(model_dir)]
         argv += ["--no-progress", "--engine", engine, *flags]
         assert main(argv) == 0, (engine, name)

@@ -44,7 +44,13 @@ PROBES = {
     "logprobs": True,
     "chat": True,
     "system": "Be brief.",
+    "dedupe": True,
 }
+# prompts built from columns: template and columns exclude each other and a prompt column
+TABLE_VARIANTS = [
+    {"template": "Q: {prompt}\nK: {key}", "reorder_fields": True},
+    {"columns": ("prompt", "key"), "instruction": "Answer.", "reorder_fields": True},
+]
 
 # constraints exclude each other: the others are probed in place of choices
 EXCLUSIVE = {
@@ -58,8 +64,9 @@ VARIANTS = [PROBES] + [
 
 
 def test_every_option_has_a_probe_value_other_than_its_default() -> None:
-    assert set(PROBES) | set(EXCLUSIVE) == set(option_table.BY_NAME)
-    for name, value in {**PROBES, **EXCLUSIVE}.items():
+    table = {name: value for variant in TABLE_VARIANTS for name, value in variant.items()}
+    assert set(PROBES) | set(EXCLUSIVE) | set(table) == set(option_table.BY_NAME)
+    for name, value in {**PROBES, **EXCLUSIVE, **table}.items():
         assert value != option_table.BY_NAME[name].default, name
 
 
@@ -130,6 +137,7 @@ def _expected(model: Path, probes: dict = PROBES) -> _partition.InferOptions:
         sampling=SamplingParams(**scoped["sampling"]),
         chat=True,
         system="Be brief.",
+        dedupe=True,
     )
 
 
@@ -224,7 +232,8 @@ def test_the_cli_passes_every_option_to_every_engine(
     argv += _cli_arguments(probes, tmp_path)
     with pytest.raises(_Captured):
         main(argv)
-    expected = _expected(tiny_llama_dir, probes)
+    # the CLI dedupes the whole table itself, before any engine runs
+    expected = replace(_expected(tiny_llama_dir, probes), dedupe=False)
     if engine != "local":  # workers log a line per partition instead of drawing bars
         expected = replace(expected, engine=replace(expected.engine, progress=False))
     assert seen[-1] == expected
@@ -246,3 +255,40 @@ def test_the_cli_plan_uses_the_engine_and_prompt_options(tiny_llama_dir, tmp_pat
     chat = json.loads(capsys.readouterr().out)
     assert sharing["prefill_tokens"] < alone["prefill_tokens"] == alone["prompt_tokens"]
     assert chat["prompt_tokens"] > sharing["prompt_tokens"]  # the system message was added
+
+
+@pytest.mark.parametrize("variant", TABLE_VARIANTS, ids=["template", "columns"])
+def test_the_table_options_reach_every_entry_point(
+    monkeypatch, tiny_llama_dir, spark, variant
+) -> None:
+    """template / columns / instruction / reorder_fields build the same TablePrompt in
+    make_options, Spark and Dask llm_infer and the command line."""
+    import dask.dataframe as dd
+    import pandas as pd
+
+    from llm_operator.integrations import dask, spark
+    from llm_operator.table_prompt import TablePrompt
+
+    given = {k: v for k, v in variant.items() if k != "reorder_fields"}
+    expected = TablePrompt.build(**given)
+    options = _partition.make_options(model="m", **variant)
+    assert (options.table, options.reorder_fields) == (expected, True)
+    seen = _spy(monkeypatch, after_calls=99)
+    # Spark's llm_infer makes a column (reordering needs llm_infer_df and the whole frame)
+    spark.llm_infer(model=str(tiny_llama_dir), **given)
+    frame = dd.from_pandas(pd.DataFrame({"prompt": ["a", "b"], "key": ["k", "k"]}), npartitions=1)
+    monkeypatch.setattr(dask, "co_locate", lambda ddf, col: ddf)  # no sampling pass here
+    dask.llm_infer(frame, model=str(tiny_llama_dir), **variant)
+    assert [o.table for o in seen] == [expected] * 2
+    assert [o.reorder_fields for o in seen] == [False, True]
+    argv = ["run", "in.csv", "--output", "o.jsonl", "--reorder-fields", "--dedupe"]
+    if "template" in variant:
+        argv += ["--template", variant["template"]]
+    else:
+        argv += ["--columns", ",".join(variant["columns"]), "--instruction", variant["instruction"]]
+    chosen = option_table.from_arguments(build_parser().parse_args(argv))
+    validated = {k: option_table.BY_NAME[k].validate(v) for k, v in chosen.items()}
+    assert {k: v for k, v in validated.items() if k != "progress"} == {
+        **{k: option_table.BY_NAME[k].validate(v) for k, v in variant.items()},
+        "dedupe": True,
+    }

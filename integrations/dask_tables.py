@@ -1,0 +1,94 @@
+"""Dask: prompts rendered from a DataFrame's columns (``template=`` / ``columns=``), and
+the per-field statistics that choose their order (``reorder_fields``).
+
+Each partition renders its rows as the CLI does (``table_prompt.render_pandas``: Arrow's
+cast to string, nulls as the empty ``NULL_TEXT``). The statistics are one pass: each
+partition hashes its rows' rendered values per field set (``pandas.util.hash_pandas_object``)
+and Dask's ``nunique_approx`` (HyperLogLog) counts the distinct hashes; the row count and
+mean lengths come from the same graph. No row reaches the client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import dask
+import dask.dataframe as dd
+import pandas as pd
+
+from llm_operator.field_order import FieldPlan, plan_fields
+from llm_operator.table_prompt import NULL_TEXT, TablePrompt, check_columns, pandas_table
+
+
+def check_table(ddf: dd.DataFrame, prompt: TablePrompt) -> None:
+    """ValueError naming missing columns, TypeError naming columns whose dtype does not
+    render (object columns are checked per partition, as they render)."""
+    check_columns(prompt, list(ddf.columns), "the DataFrame")
+    texts(ddf._meta, prompt)  # an empty frame of the real dtypes: Arrow types them
+
+
+def texts(frame: pd.DataFrame, prompt: TablePrompt) -> pd.DataFrame:
+    """Each field's rendered text (nulls as NULL_TEXT), one column per field."""
+    from llm_operator.table_prompt import arrow_text
+
+    table = pandas_table(frame, prompt)
+    columns = {
+        name: pd.Series(
+            arrow_text(table.column(name), name).fill_null(NULL_TEXT).to_pylist(),
+            index=frame.index,
+            dtype=object,
+        )
+        for name in prompt.fields
+    }
+    return pd.DataFrame(columns, index=frame.index)
+
+
+def render_partition(frame: pd.DataFrame, prompt: TablePrompt) -> pd.Series:
+    from llm_operator.table_prompt import render_pandas
+
+    return pd.Series(render_pandas(frame, prompt), index=frame.index, dtype=object)
+
+
+def _hashes(frame: pd.DataFrame, prompt: TablePrompt, sets: Sequence[frozenset[str]]):
+    rendered = texts(frame, prompt)
+    columns = {"__length_" + name: rendered[name].str.len() for name in prompt.fields}
+    for i, fields in enumerate(sets):
+        columns[f"__set{i}"] = pd.util.hash_pandas_object(
+            rendered[sorted(fields)], index=False
+        ).astype("uint64")
+    return pd.DataFrame(columns, index=frame.index)
+
+
+class DaskStatistics:
+    """FieldStatistics of a dask DataFrame; each ``distinct`` call is one pass."""
+
+    exact = False
+
+    def __init__(self, ddf: dd.DataFrame, prompt: TablePrompt) -> None:
+        check_table(ddf, prompt)
+        self._ddf, self._prompt = ddf, prompt
+        self.rows = 0
+        self.mean_chars: dict[str, float] = {}
+        self._first = True
+
+    def distinct(self, sets: Sequence[frozenset[str]]) -> dict[frozenset[str], int]:
+        meta = _hashes(self._ddf._meta, self._prompt, sets)
+        hashed = self._ddf.map_partitions(_hashes, self._prompt, list(sets), meta=meta)
+        counts = [hashed[f"__set{i}"].nunique_approx() for i in range(len(sets))]
+        if self._first:
+            lengths = [hashed["__length_" + name].sum() for name in self._prompt.fields]
+            *counts_done, rows, length_sums = dask.compute(*counts, hashed.shape[0], lengths)
+            self.rows = int(rows)
+            self.mean_chars = {
+                name: float(total) / max(self.rows, 1)
+                for name, total in zip(self._prompt.fields, length_sums)
+            }
+            self._first = False
+        else:
+            counts_done = list(dask.compute(*counts))
+        return {fields: int(round(count)) for fields, count in zip(sets, counts_done)}
+
+
+def plan_table(ddf: dd.DataFrame, prompt: TablePrompt, *, reorder: bool = True) -> FieldPlan:
+    """Statistics of ``ddf`` under the prompt's given order and (``reorder``) the chosen one."""
+    return plan_fields(prompt, DaskStatistics(ddf, prompt), reorder=reorder)

@@ -1,0 +1,283 @@
+"""Choosing the field order that shares the most prompt prefix over a whole table.
+
+The cost model: with global prefix sharing the rows' prompts form a prefix tree, and
+every piece of text is computed once per distinct value of everything before it and
+itself. A prompt's pieces (``TablePrompt.pieces``) in order cost, in characters,
+
+    literal text   len(text)       x D(fields before it)
+    {field}        mean_chars(f)   x D(fields before it, and f)
+
+where D(S) is the number of distinct value combinations of the field set S over the
+table (D of no fields is 1). Their sum is the estimated prefill; without sharing it
+is rows x the mean prompt length. Only distinct counts of field *sets* and mean
+lengths are needed: aggregates a cluster computes in one pass over the data (Spark's
+``approx_count_distinct``, Dask's ``nunique_approx``, Arrow's group-by here), never
+by collecting rows.
+
+Choosing: each block of movable lines (``TablePrompt.blocks``) is ordered on its own,
+after the fixed part before it, by an exact dynamic program over the subsets of its
+fields (Held-Karp style: best(S) = min over f in S of best(S - f) + the cost of f's
+line placed after S - f), which needs D of (fields before the block) + S for every
+subset S: 2^k sets for k movable fields, all in the same pass. Blocks of more than
+``EXHAUSTIVE_FIELDS`` fields are ordered greedily instead (Liu et al.'s GGR in spirit:
+the field that adds the fewest distinct combinations first, longer values on ties),
+one pass per position. Ties keep the user's order. One order serves every row, so
+every prompt has the same layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import combinations
+from typing import Any, Protocol
+
+from llm_operator.table_prompt import Field, TablePrompt, arrow_text
+
+EXHAUSTIVE_FIELDS = 8
+"""Blocks of up to this many movable fields are ordered exactly (2^k distinct counts)."""
+
+
+class FieldStatistics(Protocol):
+    """What choosing an order needs to know about a table (per engine). ``rows`` and
+    ``mean_chars`` may be filled by the first ``distinct`` call (one pass for all)."""
+
+    rows: int
+    mean_chars: Mapping[str, float]  # mean length of each field's rendered text
+    exact: bool  # distinct counts exact (else sketches, within a few per cent)
+
+    def distinct(self, sets: Sequence[frozenset[str]]) -> Mapping[frozenset[str], int]:
+        """D(S) for each set (one pass over the data per call)."""
+
+
+@dataclass
+class FieldPlan:
+    """The order chosen for a table, and the estimates that chose it."""
+
+    given: TablePrompt
+    chosen: TablePrompt
+    rows: int
+    distinct_prompts: int  # D(all fields): what dedupe computes
+    given_chars: float  # estimated prefill characters, given order
+    chosen_chars: float  # ... chosen order
+    total_chars: float  # rows x mean prompt length: the prefill without any sharing
+    exact: bool
+    passes: int  # passes over the data the statistics took
+
+    @property
+    def given_fields(self) -> tuple[str, ...]:
+        return self.given.fields
+
+    @property
+    def chosen_fields(self) -> tuple[str, ...]:
+        return self.chosen.fields
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "rows": self.rows,
+            "distinct_prompts": self.distinct_prompts,
+            "given_fields": list(self.given_fields),
+            "chosen_fields": list(self.chosen_fields),
+            "movable_fields": list(self.given.movable),
+            "estimated_prefill_chars": {
+                "none_shared": round(self.total_chars),
+                "given_order": round(self.given_chars),
+                "chosen_order": round(self.chosen_chars),
+            },
+            "statistics": "exact" if self.exact else "approximate (HyperLogLog sketches)",
+            "passes": self.passes,
+        }
+
+    def report(self) -> str:
+        def share(chars: float) -> str:
+            return f"{1 - chars / self.total_chars:.1%}" if self.total_chars else "n/a"
+
+        approx = "" if self.exact else "~"
+        return "\n".join(
+            [
+                f"table: {self.rows} rows, {approx}{self.distinct_prompts} distinct prompts",
+                f"given order:  {', '.join(self.given_fields)}  "
+                f"(estimated prefix sharing {share(self.given_chars)})",
+                f"chosen order: {', '.join(self.chosen_fields)}  "
+                f"(estimated prefix sharing {share(self.chosen_chars)})",
+            ]
+        )
+
+
+@dataclass
+class _Counts:
+    """D(S) cache over one statistics source; counts passes."""
+
+    stats: FieldStatistics
+    known: dict[frozenset[str], int] = field(default_factory=dict)
+    passes: int = 0
+
+    def fetch(self, sets: Sequence[frozenset[str]]) -> None:
+        wanted = list(dict.fromkeys(s for s in sets if s and s not in self.known))
+        if wanted:
+            counts = self.stats.distinct(wanted)
+            self.passes += 1
+            for s in wanted:
+                self.known[s] = max(1, min(int(counts[s]), self.stats.rows))
+        self.known[frozenset()] = 1
+
+    def __getitem__(self, fields: frozenset[str]) -> int:
+        return 1 if not fields else self.known[fields]
+
+
+def plan_fields(prompt: TablePrompt, stats: FieldStatistics, *, reorder: bool = True) -> FieldPlan:
+    """Estimate the given order and (with ``reorder``) choose the best one."""
+    counts = _Counts(stats)
+    everything = frozenset(prompt.fields)
+    sets = [*_prefix_sets(prompt), everything]
+    small = [b for b in _block_fields(prompt) if len(b[1]) <= EXHAUSTIVE_FIELDS]
+    if reorder:
+        for base, fields in small:
+            sets += [base | frozenset(c) for k in range(1, len(fields) + 1)
+                     for c in combinations(fields, k)]  # fmt: skip
+    counts.fetch(sets)
+    chosen = prompt
+    if reorder:
+        order: list[str] = []
+        for base, fields in _block_fields(prompt):
+            if len(fields) <= EXHAUSTIVE_FIELDS:
+                order += _exact_order(prompt, base, fields, counts, stats)
+            else:
+                order += _greedy_order(prompt, base, fields, counts, stats)
+        chosen = prompt.reordered(order)
+    total = stats.rows * sum(
+        len(p) if isinstance(p, str) else stats.mean_chars[p.name] for p in prompt.pieces()
+    )
+    return FieldPlan(
+        given=prompt,
+        chosen=chosen,
+        rows=stats.rows,
+        distinct_prompts=counts[everything] if stats.rows else 0,
+        given_chars=estimate(prompt, counts, stats),
+        chosen_chars=estimate(chosen, counts, stats),
+        total_chars=total,
+        exact=stats.exact,
+        passes=counts.passes,
+    )
+
+
+def estimate(prompt: TablePrompt, counts: Any, stats: FieldStatistics) -> float:
+    """Estimated prefill characters of ``prompt`` under global prefix sharing."""
+    seen: frozenset[str] = frozenset()
+    chars = 0.0
+    for piece in prompt.pieces():
+        if isinstance(piece, str):
+            chars += len(piece) * counts[seen]
+        else:
+            seen = seen | {piece.name}
+            chars += stats.mean_chars[piece.name] * counts[seen]
+    return chars
+
+
+def _prefix_sets(prompt: TablePrompt) -> list[frozenset[str]]:
+    seen: frozenset[str] = frozenset()
+    sets = []
+    for piece in prompt.pieces():
+        if isinstance(piece, Field):
+            seen = seen | {piece.name}
+            sets.append(seen)
+    return sets
+
+
+def _block_fields(prompt: TablePrompt) -> list[tuple[frozenset[str], tuple[str, ...]]]:
+    """(fields before the block, the block's fields in given order) per block."""
+    out = []
+    for block in prompt.blocks:
+        before = frozenset(
+            p.name for line in prompt.lines[: block[0]] for p in line if isinstance(p, Field)
+        )
+        out.append((before, tuple(prompt._line_field(i) for i in block)))
+    return out
+
+
+def _line_costs(prompt: TablePrompt, name: str, stats: FieldStatistics) -> tuple[float, float]:
+    """(chars before the field: the newline and label; chars with it: value and trailing
+    text) of the block line holding ``name``."""
+    for block in prompt.blocks:
+        for index in block:
+            line = prompt.lines[index]
+            if prompt._line_field(index) != name:
+                continue
+            position = next(i for i, p in enumerate(line) if isinstance(p, Field))
+            before = 1 + sum(len(p) for p in line[:position])  # 1: the line's newline
+            after = stats.mean_chars[name] + sum(len(p) for p in line[position + 1 :])
+            return before, after
+    raise AssertionError(f"{name} is on no block line")
+
+
+def _exact_order(
+    prompt: TablePrompt,
+    base: frozenset[str],
+    fields: tuple[str, ...],
+    counts: _Counts,
+    stats: FieldStatistics,
+) -> list[str]:
+    costs = {name: _line_costs(prompt, name, stats) for name in fields}
+    position = {name: i for i, name in enumerate(fields)}
+    # best[S]: (cost, positions of the order) of placing exactly the fields of S first
+    best: dict[frozenset[str], tuple[float, tuple[int, ...]]] = {frozenset(): (0.0, ())}
+    for size in range(1, len(fields) + 1):
+        for chosen in combinations(fields, size):
+            subset = frozenset(chosen)
+            options = []
+            for name in chosen:
+                rest = subset - {name}
+                before, after = costs[name]
+                cost = best[rest][0] + before * counts[base | rest] + after * counts[base | subset]
+                options.append((round(cost, 6), best[rest][1] + (position[name],)))
+            best[subset] = min(options)
+    return [fields[i] for i in best[frozenset(fields)][1]]
+
+
+def _greedy_order(
+    prompt: TablePrompt,
+    base: frozenset[str],
+    fields: tuple[str, ...],
+    counts: _Counts,
+    stats: FieldStatistics,
+) -> list[str]:
+    placed: list[str] = []
+    remaining = list(fields)
+    while remaining:
+        now = base | frozenset(placed)
+        counts.fetch([now | {name} for name in remaining])
+        best = min(
+            remaining,
+            key=lambda n: (counts[now | {n}], -stats.mean_chars[n], fields.index(n)),
+        )
+        placed.append(best)
+        remaining.remove(best)
+    return placed
+
+
+# -- statistics of an in-memory Arrow table (the CLI): exact -------------------------
+class ArrowStatistics:
+    """Exact statistics of a pyarrow Table's rendered fields (group-by counts)."""
+
+    exact = True
+
+    def __init__(self, table: Any, prompt: TablePrompt) -> None:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        from llm_operator.table_prompt import NULL_TEXT, check_columns
+
+        check_columns(prompt, table.column_names, "the table")
+        self.rows = table.num_rows
+        texts = {
+            name: pc.fill_null(arrow_text(table.column(name), name), NULL_TEXT)
+            for name in prompt.fields
+        }
+        self._table = pa.table(texts)
+        self.mean_chars = {
+            name: (pc.sum(pc.utf8_length(text)).as_py() or 0) / max(self.rows, 1)
+            for name, text in texts.items()
+        }
+
+    def distinct(self, sets: Sequence[frozenset[str]]) -> dict[frozenset[str], int]:
+        return {s: self._table.group_by(sorted(s)).aggregate([]).num_rows for s in sets}
