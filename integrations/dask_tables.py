@@ -6,6 +6,10 @@ cast to string, nulls as the empty ``NULL_TEXT``). The statistics are one pass: 
 partition hashes its rows' rendered values per field set (``pandas.util.hash_pandas_object``)
 and Dask's ``nunique_approx`` (HyperLogLog) counts the distinct hashes; the row count and
 mean lengths come from the same graph. No row reaches the client.
+
+Dask's ``dataframe.convert-string`` (on by default) turns object columns into strings
+when the frame is made, so an object column of Python booleans arrives as "True"/"False";
+a ``boolean`` dtype column renders as Arrow's "true"/"false".
 """
 
 from __future__ import annotations

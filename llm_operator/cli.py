@@ -85,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
         "target",
         nargs="?",
         default="systems",
-        choices=["systems", "planner"],
-        help="systems (default) or planner",
+        choices=["systems", "planner", "fields"],
+        help="systems (default), planner, or fields (field order and dedupe through Spark "
+        "local: --tables, --repeat)",
     )
     bench.add_argument(
         "--model", default=DEFAULT_MODEL, help="alias, Hugging Face model directory or .gguf file"
@@ -127,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts", default="10000,100000,1000000", help="planner: batch sizes, comma-separated"
     )
     bench.add_argument("--prompt-tokens", type=int, default=500, help="planner: tokens per prompt")
+    bench.add_argument(
+        "--tables",
+        default="movielens,movielens-users,table-rows",
+        help="fields: tables, comma-separated",
+    )
+    bench.add_argument("--rows", type=int, help="fields: rows per table (default 600 / 120)")
 
     demo = commands.add_parser("demo", help="classify the bundled reviews and tickets with SmolLM2")
     _add_model_option(demo)
@@ -330,6 +337,18 @@ def command_plan(args) -> int:
 
 
 def command_bench(args) -> int:
+    if args.target == "fields":
+        from llm_operator.bench.fields import run_fields_bench
+
+        sizes = {} if args.rows is None else {"movielens_rows": args.rows, "table_rows": args.rows}
+        run_fields_bench(
+            model=args.model,
+            tables=[name.strip() for name in args.tables.split(",") if name.strip()],
+            repeat=args.repeat,
+            out=args.out / f"{args.name or 'bench-fields'}.json",
+            **sizes,
+        )
+        return 0
     if args.target == "planner":
         from llm_operator.bench.planner_scale import run_planner_suite
 

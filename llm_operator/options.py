@@ -125,38 +125,26 @@ def _keyword_items(name: str, value: Any) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(items.items()))
 
 
-def _choices(name: str, value: Any) -> tuple[str, ...] | None:
-    if value is None:
-        return None
-    if isinstance(value, str) or not isinstance(value, Iterable):
-        raise TypeError(f"{name} must be a list of strings, got {value!r}")
-    labels = tuple(value)
-    if not labels:
-        raise ValueError(f"{name} must hold at least one string, got an empty list")
-    for label in labels:
-        if not isinstance(label, str) or not label:
-            raise ValueError(f"{name} must hold non-empty strings, got {label!r}")
-    repeated = sorted({label for label in labels if labels.count(label) > 1})
-    if repeated:
-        raise ValueError(f"{name} has duplicates: {repeated}")
-    return labels
+def _distinct_strings(noun: str) -> Callable[[str, Any], tuple[str, ...] | None]:
+    """None, or a non-empty list of distinct non-empty strings (kept as a tuple)."""
 
+    def check(name: str, value: Any) -> tuple[str, ...] | None:
+        if value is None:
+            return None
+        if isinstance(value, str) or not isinstance(value, Iterable):
+            raise TypeError(f"{name} must be a list of {noun}s, got {value!r:.80}")
+        items = tuple(value)
+        if not items:
+            raise ValueError(f"{name} must hold at least one {noun}, got an empty list")
+        for item in items:
+            if not isinstance(item, str) or not item:
+                raise TypeError(f"{name} must hold {noun}s (non-empty strings), got {item!r}")
+        repeated = sorted({item for item in items if items.count(item) > 1})
+        if repeated:
+            raise ValueError(f"{name} has duplicates: {repeated}")
+        return items
 
-def _column_names(name: str, value: Any) -> tuple[str, ...] | None:
-    if value is None:
-        return None
-    if isinstance(value, str) or not isinstance(value, Iterable):
-        raise TypeError(f"{name} must be a list of column names, got {value!r:.80}")
-    names = tuple(value)
-    if not names:
-        raise ValueError(f"{name} must name at least one column, got an empty list")
-    for item in names:
-        if not isinstance(item, str) or not item:
-            raise TypeError(f"{name} must hold column names (non-empty strings), got {item!r}")
-    repeated = sorted({item for item in names if names.count(item) > 1})
-    if repeated:
-        raise ValueError(f"{name} names {repeated} more than once")
-    return names
+    return check
 
 
 def _regex(name: str, value: Any) -> str | None:
@@ -294,7 +282,7 @@ OPTIONS: tuple[Option, ...] = (
            _boolean, "bool", cli="flag"),
     Option("choices", "sampling", None,
            "the output is exactly one of these strings (a token trie; decided rows stop at once)",
-           _choices, "tuple[str, ...] | None", cli_type=_split_commas),
+           _distinct_strings("string"), "tuple[str, ...] | None", cli_type=_split_commas),
     Option("regex", "sampling", None, "the output matches this regular expression",
            _regex, "str | None"),
     Option("json_schema", "sampling", None,
@@ -314,7 +302,7 @@ OPTIONS: tuple[Option, ...] = (
            '\\nIs it a comedy?" (nulls render empty)', _optional(_text), "str | None"),
     Option("columns", "prompt", None,
            "build each prompt as the instruction, then one `name: value` line per column",
-           _column_names, "tuple[str, ...] | None", cli_type=_split_commas),
+           _distinct_strings("column name"), "tuple[str, ...] | None", cli_type=_split_commas),
     Option("instruction", "prompt", None, "the text before the columns' lines (with columns)",
            _optional(_text), "str | None"),
     Option("reorder_fields", "prompt", False,

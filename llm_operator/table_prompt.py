@@ -88,16 +88,11 @@ class TablePrompt:
 
     @classmethod
     def from_columns(cls, columns: Sequence[str], instruction: str | None = None) -> TablePrompt:
-        if isinstance(columns, str) or not isinstance(columns, Sequence):
-            raise TypeError(f"columns must be a list of column names, got {columns!r:.80}")
-        if not columns:
-            raise ValueError("columns must name at least one column, got an empty list")
-        for name in columns:
-            if not isinstance(name, str) or not name:
-                raise TypeError(f"columns must hold column names (strings), got {name!r}")
-        repeated = sorted({name for name in columns if list(columns).count(name) > 1})
-        if repeated:
-            raise ValueError(f"columns names {repeated} more than once")
+        from llm_operator.options import BY_NAME
+
+        columns = BY_NAME["columns"].validate(columns)
+        if columns is None:
+            raise ValueError("columns must name at least one column, got None")
         if instruction is not None and not isinstance(instruction, str):
             raise TypeError(f"instruction must be a string, got {type(instruction).__name__}")
         head: tuple[Line, ...] = ()

