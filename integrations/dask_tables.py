@@ -2,10 +2,10 @@
 the per-field statistics that choose their order (``reorder_fields``).
 
 Each partition renders its rows as the CLI does (``table_prompt.render_pandas``: Arrow's
-cast to string, nulls as the empty ``NULL_TEXT``). The statistics are one pass: each
-partition hashes its rows' rendered values per field set (``pandas.util.hash_pandas_object``)
-and Dask's ``nunique_approx`` (HyperLogLog) counts the distinct hashes; the row count and
-mean lengths come from the same graph. No row reaches the client.
+cast to string, nulls as the empty ``NULL_TEXT``). The statistics (``DaskStatistics``)
+are two passes: the row count and mean lengths, then each partition hashes its rows'
+rendered values per field set (``pandas.util.hash_pandas_object``) and Dask counts the
+distinct hashes of each set. No row reaches the client.
 
 Dask's ``dataframe.convert-string`` (on by default) turns object columns into strings
 when the frame is made, so an object column of Python booleans arrives as "True"/"False";
@@ -63,34 +63,47 @@ def _hashes(frame: pd.DataFrame, prompt: TablePrompt, sets: Sequence[frozenset[s
     return pd.DataFrame(columns, index=frame.index)
 
 
-class DaskStatistics:
-    """FieldStatistics of a dask DataFrame; each ``distinct`` call is one pass."""
+EXACT_HASHES = 50_000_000
+"""Up to this many (row, field set) hashes, distinct counts are exact (``nunique``: the
+last reduction holds each set's distinct hashes, 8 bytes each); past it, HyperLogLog
+(``nunique_approx``, within about 1%)."""
 
-    exact = False
+
+class DaskStatistics:
+    """FieldStatistics of a dask DataFrame: the first ``distinct`` call counts rows and
+    mean lengths (one pass), then each call counts every set's distinct value hashes in
+    one pass (exact up to ``EXACT_HASHES`` row-set pairs, approximate past it)."""
 
     def __init__(self, ddf: dd.DataFrame, prompt: TablePrompt) -> None:
         check_table(ddf, prompt)
         self._ddf, self._prompt = ddf, prompt
-        self.rows = 0
+        self.rows = -1
         self.mean_chars: dict[str, float] = {}
-        self._first = True
+        self.exact = True
+
+    def _count_rows(self) -> None:
+        hashed = self._ddf.map_partitions(
+            _hashes, self._prompt, [], meta=_hashes(self._ddf._meta, self._prompt, [])
+        )
+        lengths = [hashed["__length_" + name].sum() for name in self._prompt.fields]
+        rows, sums = dask.compute(hashed.shape[0], lengths)
+        self.rows = int(rows)
+        self.mean_chars = {
+            name: float(total) / max(self.rows, 1) for name, total in zip(self._prompt.fields, sums)
+        }
 
     def distinct(self, sets: Sequence[frozenset[str]]) -> dict[frozenset[str], int]:
+        if self.rows < 0:
+            self._count_rows()
+        if not sets:
+            return {}
         meta = _hashes(self._ddf._meta, self._prompt, sets)
         hashed = self._ddf.map_partitions(_hashes, self._prompt, list(sets), meta=meta)
-        counts = [hashed[f"__set{i}"].nunique_approx() for i in range(len(sets))]
-        if self._first:
-            lengths = [hashed["__length_" + name].sum() for name in self._prompt.fields]
-            *counts_done, rows, length_sums = dask.compute(*counts, hashed.shape[0], lengths)
-            self.rows = int(rows)
-            self.mean_chars = {
-                name: float(total) / max(self.rows, 1)
-                for name, total in zip(self._prompt.fields, length_sums)
-            }
-            self._first = False
-        else:
-            counts_done = list(dask.compute(*counts))
-        return {fields: int(round(count)) for fields, count in zip(sets, counts_done)}
+        if self.rows * len(sets) > EXACT_HASHES:
+            self.exact = False
+        columns = [hashed[f"__set{i}"] for i in range(len(sets))]
+        counts = dask.compute(*[c.nunique() if self.exact else c.nunique_approx() for c in columns])
+        return {fields: int(round(count)) for fields, count in zip(sets, counts)}
 
 
 def plan_table(ddf: dd.DataFrame, prompt: TablePrompt, *, reorder: bool = True) -> FieldPlan:

@@ -7,9 +7,10 @@ drops its ".0", as Arrow's cast does for the CLI and Dask); a null renders as th
 value ``NULL_TEXT``. Array, map, struct and binary columns are refused (TypeError naming
 the column) before any job runs.
 
-The statistics are one aggregate over the DataFrame: the row count, each field's mean
-rendered length and an ``approx_count_distinct`` (HyperLogLog++, ``RELATIVE_SD``) of
-each field set the order search needs; no row reaches the driver.
+The statistics (``SparkStatistics``) are two jobs over the DataFrame: the row count and
+each field's mean rendered length, then the exact number of distinct values of each field
+set the order search needs (distinct 64-bit hashes, counted per set); no row reaches the
+driver.
 """
 
 from __future__ import annotations
@@ -22,10 +23,6 @@ from pyspark.sql import types as T
 
 from llm_operator.field_order import FieldPlan, plan_fields
 from llm_operator.table_prompt import NULL_TEXT, Field, TablePrompt, check_columns
-
-RELATIVE_SD = 0.05
-"""approx_count_distinct's relative standard deviation (Spark's default; smaller ones cost
-much more memory per field set)."""
 
 _RENDERABLE = (
     T.StringType,
@@ -87,9 +84,14 @@ def prompt_column(prompt: TablePrompt, df: DataFrame | None = None) -> Column:
 
 
 class SparkStatistics:
-    """FieldStatistics of a DataFrame: each ``distinct`` call is one aggregate job."""
+    """FieldStatistics of a DataFrame, exact: the first ``distinct`` call runs one
+    aggregate for the row count and mean lengths; each call then counts the distinct
+    64-bit hashes (``xxhash64``) of every field set's values in one job: each row emits a
+    (set, hash) pair per set, and ``countDistinct`` per set aggregates them map-side
+    first, so what is shuffled is each partition's distinct pairs. No row reaches the
+    driver. (64-bit hashes of different values collide with odds of about n^2 / 2^65.)"""
 
-    exact = False
+    exact = True
 
     def __init__(self, df: DataFrame, prompt: TablePrompt) -> None:
         check_table(df, prompt)
@@ -97,31 +99,46 @@ class SparkStatistics:
             *[field_text(df, name).alias(f"f{i}") for i, name in enumerate(prompt.fields)]
         )
         self._alias = {name: f"f{i}" for i, name in enumerate(prompt.fields)}
-        self._pending: list[Column] = [F.count(F.lit(1)).alias("rows")] + [
-            F.avg(F.length(F.col(alias))).alias(f"len_{alias}") for alias in self._alias.values()
-        ]
-        self.rows = 0
+        self.rows = -1
         self.mean_chars: dict[str, float] = {}
 
-    def distinct(self, sets: Sequence[frozenset[str]]) -> dict[frozenset[str], int]:
-        aggregates = list(self._pending)
-        for i, fields in enumerate(sets):
-            columns = [F.col(self._alias[name]) for name in sorted(fields)]
-            key = F.xxhash64(*columns) if len(columns) > 1 else columns[0]
-            aggregates.append(F.approx_count_distinct(key, RELATIVE_SD).alias(f"d{i}"))
+    def _count_rows(self) -> None:
+        aggregates = [F.count(F.lit(1)).alias("rows")] + [
+            F.avg(F.length(F.col(alias))).alias(f"len_{alias}") for alias in self._alias.values()
+        ]
         row = self._texts.agg(*aggregates).collect()[0]
-        if self._pending:  # the first pass also counts rows and mean lengths
-            self.rows = int(row["rows"])
-            self.mean_chars = {
-                name: float(row[f"len_{alias}"] or 0.0) for name, alias in self._alias.items()
-            }
-            self._pending = []
-        return {fields: int(row[f"d{i}"]) for i, fields in enumerate(sets)}
+        self.rows = int(row["rows"])
+        self.mean_chars = {
+            name: float(row[f"len_{alias}"] or 0.0) for name, alias in self._alias.items()
+        }
+
+    def distinct(self, sets: Sequence[frozenset[str]]) -> dict[frozenset[str], int]:
+        if self.rows < 0:
+            self._count_rows()
+        if not sets:
+            return {}
+        pairs = [
+            F.struct(
+                F.lit(i).alias("set"),
+                F.xxhash64(*[F.col(self._alias[name]) for name in sorted(fields)]).alias("hash"),
+            )
+            for i, fields in enumerate(sets)
+        ]
+        exploded = self._texts.select(F.explode(F.array(*pairs)).alias("pair"))
+        counted = (
+            exploded.select("pair.set", "pair.hash")
+            .groupBy("set")
+            .agg(F.countDistinct("hash").alias("distinct"))
+            .collect()
+        )
+        found = {row["set"]: int(row["distinct"]) for row in counted}
+        return {fields: found.get(i, 0) for i, fields in enumerate(sets)}
 
 
 def plan_table(df: DataFrame, prompt: TablePrompt, *, reorder: bool = True) -> FieldPlan:
     """Statistics of ``df`` under the prompt's given order and (``reorder``) the chosen
-    one: one aggregate job when every movable block is ordered exactly."""
+    one: two jobs when every movable block is ordered exactly (one more per position of
+    a block ordered greedily)."""
     return plan_fields(prompt, SparkStatistics(df, prompt), reorder=reorder)
 
 

