@@ -330,7 +330,11 @@ def build_partitioner(
     adjacent pairs with the shortest common prefix: cutting there loses the least
     sharing) until every piece fits and shares enough. A piece of two or more sampled rows sharing at
     least ``min_prefix_chars`` characters is a group; groups are packed largest first into
-    the least loaded partition.
+    the least loaded partition. When whole groups cannot be packed evenly (3 groups of 40
+    rows on 2 partitions give 80 and 40), the pieces are halved (the share halves) until
+    no partition gets more than ``BALANCE`` times the mean, keeping the most even packing
+    found: a split group computes its prefix once per partition it lands in, far less
+    than a partition left waiting.
     """
     if (
         isinstance(num_partitions, bool)
@@ -340,6 +344,27 @@ def build_partitioner(
         raise ValueError(f"num_partitions must be an int >= 1, got {num_partitions!r}")
     ordered = sorted(s for s in sample if isinstance(s, str))
     share = max(1, len(ordered) // num_partitions)
+    # whole groups first; smaller pieces only while packing leaves a partition skewed
+    best, loads = _pack(ordered, num_partitions, share, min_prefix_chars)
+    busiest, limit = max(loads), BALANCE * len(ordered) / num_partitions
+    while busiest > limit and share > 1:
+        share //= 2
+        candidate, loads = _pack(ordered, num_partitions, share, min_prefix_chars)
+        if max(loads) < busiest:  # ties keep the bigger pieces
+            best, busiest = candidate, max(loads)
+    return best
+
+
+BALANCE = 1.25
+"""co_locate splits groups into smaller pieces while its busiest partition would hold more
+than this times the mean (each split costs the group's prefix once more per partition)."""
+
+
+def _pack(
+    ordered: list[str], num_partitions: int, share: int, min_prefix_chars: int
+) -> tuple[PrefixPartitioner, list[int]]:
+    """build_partitioner with pieces of at most ``share`` sampled rows: the partitioner
+    and the sampled rows each partition gets (rows of no group are not counted)."""
     # common[i]: common prefix length of ordered[i] and ordered[i + 1]
     common = [_common_prefix_length(a, b) for a, b in zip(ordered, ordered[1:])]
     groups: list[tuple[str, int]] = []  # (shared prefix, sampled rows)
@@ -380,7 +405,11 @@ def build_partitioner(
     for (prefix, _), partitions in zip(split, spread):
         if partitions and prefix not in routes:
             routes[prefix] = tuple(sorted(partitions))
-    return PrefixPartitioner(routes, num_partitions, min_prefix_chars)
+    partitioner = PrefixPartitioner(routes, num_partitions, min_prefix_chars)
+    counts = [0] * num_partitions
+    for prompt in ordered:  # where the sample goes, ungrouped rows included
+        counts[partitioner(prompt)] += 1
+    return partitioner, counts
 
 
 def _hash(text: str) -> int:

@@ -476,3 +476,32 @@ def test_dask_counts_past_the_exact_budget_are_approximate(monkeypatch) -> None:
     assert exact.exact and not approximate.exact
     assert exact.distinct_prompts == 40 and abs(approximate.distinct_prompts - 40) <= 2
     assert approximate.chosen_fields == exact.chosen_fields == ("b", "a")
+
+
+def test_co_location_splits_groups_only_when_whole_groups_cannot_balance() -> None:
+    import collections
+
+    from llm_operator.integrations._partition import BALANCE, build_partitioner
+
+    def table(groups: int, rows: int) -> list[str]:
+        return [
+            f"category: group {g} with a long shared description\nbrand: b{r % 2}\nreview: r{r}"
+            for g in range(groups)
+            for r in range(rows)
+        ]
+
+    even = table(4, 30)  # 4 whole groups pack 60 + 60: none is split
+    partitioner = build_partitioner(even, 2)
+    homes = collections.defaultdict(set)
+    for prompt in even:
+        homes[prompt.split("\n")[0]].add(partitioner(prompt))
+    assert all(len(partitions) == 1 for partitions in homes.values())
+    assert sorted(collections.Counter(map(partitioner, even)).values()) == [60, 60]
+    skewed = table(3, 40)  # whole groups would pack 80 + 40: one group splits by brand
+    partitioner = build_partitioner(skewed, 2)
+    loads = collections.Counter(map(partitioner, skewed))
+    assert max(loads.values()) <= BALANCE * 60, loads
+    by_brand = collections.defaultdict(set)
+    for prompt in skewed:
+        by_brand[tuple(prompt.split("\n")[:2])].add(partitioner(prompt))
+    assert all(len(partitions) == 1 for partitions in by_brand.values())  # pieces stay whole
