@@ -95,13 +95,6 @@ def make_options(
     for name, value in prompt.items():
         prompt[name] = option_table.BY_NAME[name].validate(value)
     table = table_options(prompt)
-    if prompt["reorder_fields"] and table is None:
-        raise ValueError("reorder_fields needs a template or columns: the fields to reorder")
-    if prompt["reorder_fields"] and not table.movable:
-        raise ValueError(
-            "reorder_fields: the template has no movable lines; put each field to reorder "
-            f"on its own line, in a run of such lines (template: {table.text()!r:.120})"
-        )
     return InferOptions(
         model=os.fspath(model),
         engine=EngineConfig(**scoped["engine"]),
@@ -112,6 +105,14 @@ def make_options(
         reorder_fields=prompt["reorder_fields"],
         dedupe=prompt["dedupe"],
     )
+
+
+def check_prompt_source(col: Any, options: InferOptions) -> None:
+    """Exactly one prompt source: a prompt column ``col``, or ``template``/``columns``."""
+    if options.table is None and col is None:
+        raise ValueError("give col (the prompt column) or template= or columns=")
+    if options.table is not None and col is not None:
+        raise ValueError("give col or a template/columns, not both")
 
 
 def typed_value(json_schema: Any, value: Any, *, untyped: bool = False) -> ValueType | None:

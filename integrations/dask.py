@@ -29,6 +29,7 @@ from llm_operator.integrations._partition import (
     InferOptions,
     PrefixPartitioner,
     build_partitioner,
+    check_prompt_source,
     logger,
     make_options,
     result_records,
@@ -100,8 +101,8 @@ def llm_infer(
         row's prompt is rendered from its columns (``dask_tables``; nulls render
         empty). Missing columns (ValueError) and dtypes that do not render (TypeError)
         are refused here, before anything runs.
-    reorder_fields: one pass of statistics (``dask_tables.plan_table``) chooses the
-        order of the movable field lines that shares the most prefix; the prompts
+    reorder_fields: two passes of statistics (``dask_tables.plan_table``: row count and
+        mean lengths, then distinct counts of field sets) choose the order of the movable field lines that shares the most prefix; the prompts
         render in it and rows are co-located by them (``co_locate``).
     dedupe: rows are co-located by the prompt and each partition computes each
         distinct prompt once; identical prompts get identical outputs.
@@ -117,14 +118,11 @@ def llm_infer(
     options = make_options(model=model, engine_options=engine_options, **options)
     value_type = typed_value(schema, value, untyped=True)
     columns = result_columns(output, value_type is not None)
+    check_prompt_source(col, options)
     if options.table is not None:
-        if col is not None:
-            raise ValueError("give col or a template/columns, not both")
         if not isinstance(ddf, dd.DataFrame):
             raise TypeError(f"ddf must be a dask.dataframe.DataFrame, got {type(ddf).__name__}")
     else:
-        if col is None:
-            raise ValueError("give col (the prompt column) or template= or columns=")
         _check_prompt_column(ddf, col)
     existing = [name for name, _ in columns.values() if name in ddf.columns]
     if existing:

@@ -21,7 +21,13 @@ import dask.dataframe as dd
 import pandas as pd
 
 from llm_operator.field_order import FieldPlan, plan_fields
-from llm_operator.table_prompt import NULL_TEXT, TablePrompt, check_columns, pandas_table
+from llm_operator.table_prompt import (
+    TablePrompt,
+    check_columns,
+    field_texts,
+    pandas_table,
+    render_pandas,
+)
 
 
 def check_table(ddf: dd.DataFrame, prompt: TablePrompt) -> None:
@@ -33,23 +39,15 @@ def check_table(ddf: dd.DataFrame, prompt: TablePrompt) -> None:
 
 def texts(frame: pd.DataFrame, prompt: TablePrompt) -> pd.DataFrame:
     """Each field's rendered text (nulls as NULL_TEXT), one column per field."""
-    from llm_operator.table_prompt import arrow_text
-
-    table = pandas_table(frame, prompt)
+    rendered = field_texts(pandas_table(frame, prompt), prompt)
     columns = {
-        name: pd.Series(
-            arrow_text(table.column(name), name).fill_null(NULL_TEXT).to_pylist(),
-            index=frame.index,
-            dtype=object,
-        )
-        for name in prompt.fields
+        name: pd.Series(text.to_pylist(), index=frame.index, dtype=object)
+        for name, text in rendered.items()
     }
     return pd.DataFrame(columns, index=frame.index)
 
 
 def render_partition(frame: pd.DataFrame, prompt: TablePrompt) -> pd.Series:
-    from llm_operator.table_prompt import render_pandas
-
     return pd.Series(render_pandas(frame, prompt), index=frame.index, dtype=object)
 
 

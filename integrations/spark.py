@@ -36,6 +36,7 @@ from llm_operator.integrations._partition import (
     PrefixPartitioner,
     _is_missing,
     build_partitioner,
+    check_prompt_source,
     logger,
     make_options,
     result_records,
@@ -44,6 +45,7 @@ from llm_operator.integrations._partition import (
 )
 from llm_operator.integrations.json_values import ValueType
 from llm_operator.options import SCOPES, keyword_signature
+from llm_operator.table_prompt import TABLE_PROMPT_OPTIONS
 
 _SPARK_TYPES = {
     str: T.StringType(),
@@ -51,6 +53,7 @@ _SPARK_TYPES = {
     float: T.DoubleType(),
     dict: T.MapType(T.StringType(), T.DoubleType(), valueContainsNull=True),
 }
+_PROMPT = "__llm_operator_prompt"  # a temporary prompt column (rendered or co-location key)
 RESULT_TYPE = T.StructType(
     [T.StructField(name, _SPARK_TYPES[kind], nullable=True) for name, kind in RESULT_FIELDS]
 )
@@ -162,8 +165,8 @@ def llm_infer_df(
     lacks and TypeError naming columns that do not render (arrays, maps, structs,
     binary). Over the whole DataFrame:
 
-    reorder_fields: one aggregate (``spark_tables.plan_table``: row count, mean field
-        lengths, approximate distinct counts of field sets) chooses the order of the
+    reorder_fields: two Spark jobs (``spark_tables.plan_table``: row count and mean field
+        lengths, then exact distinct counts of field sets) choose the order of the
         movable field lines that shares the most prefix; the prompts render in that
         order and rows are co-located by them (``co_locate``). The order is logged.
     dedupe: rows are co-located by the prompt, so identical prompts meet in one
@@ -185,13 +188,12 @@ def llm_infer_df(
         prompt_type = df.select(_as_column(col, "col")).schema.fields[0].dataType
         check_prompt_type(prompt_type)
         if checked.dedupe:  # identical prompts meet, then each partition computes them once
-            key, source = "__llm_operator_prompt", _as_column(col, "col")
+            source = _as_column(col, "col")
             if not isinstance(prompt_type, T.StringType):  # chat messages: by their JSON
                 source = F.to_json(source)
-            df = co_locate(df.withColumn(key, source), key).drop(key)
+            df = co_locate(df.withColumn(_PROMPT, source), _PROMPT).drop(_PROMPT)
         return df.withColumn(output, column)
-    if col is not None:
-        raise ValueError("give col or a template/columns, not both")
+    check_prompt_source(col, checked)
     from llm_operator.integrations.spark_tables import plan_table, prompt_column
 
     prompt = checked.table
@@ -199,13 +201,12 @@ def llm_infer_df(
         plan = plan_table(df, prompt)
         logger.info("llm_infer_df fields:\n%s", plan.report())
         prompt = plan.chosen
-    key = "__llm_operator_prompt"
-    frame = df.withColumn(key, prompt_column(prompt, df))  # checks columns and types
+    frame = df.withColumn(_PROMPT, prompt_column(prompt, df))  # checks columns and types
     if checked.reorder_fields or checked.dedupe:
-        frame = co_locate(frame, key)
-    rest = {k: v for k, v in options.items() if k not in ("template", "columns", "instruction")}
+        frame = co_locate(frame, _PROMPT)
+    rest = {k: v for k, v in options.items() if k not in TABLE_PROMPT_OPTIONS}
     rest["reorder_fields"] = False  # done: the prompts are rendered in the chosen order
-    return frame.withColumn(output, llm_infer(key, **rest)).drop(key)
+    return frame.withColumn(output, llm_infer(_PROMPT, **rest)).drop(_PROMPT)
 
 
 def check_prompt_type(data_type: T.DataType) -> None:
@@ -356,7 +357,7 @@ def co_locate(
     if isinstance(col, str) and col in df.columns:
         key, frame = col, df
     else:  # an expression or a nested field: a temporary column, dropped at the end
-        key = "__llm_operator_prompt"
+        key = _PROMPT
         frame = df.withColumn(key, _as_column(col, "col"))
     data_type = frame.schema[key].dataType
     if not isinstance(data_type, T.StringType):
@@ -398,12 +399,9 @@ def _identity(partition: int) -> int:
 
 def _prompt_source(col: Any, options: InferOptions) -> Column:
     """The prompt column: ``col``, or the one ``template``/``columns`` render."""
+    check_prompt_source(col, options)
     if options.table is None:
-        if col is None:
-            raise ValueError("give col (the prompt column) or template= or columns=")
         return _as_column(col, "col")
-    if col is not None:
-        raise ValueError("give col or a template/columns, not both")
     from llm_operator.integrations.spark_tables import prompt_column
 
     return prompt_column(options.table)

@@ -52,8 +52,14 @@ def field_text(df: DataFrame, name: str) -> Column:
             f"column {name!r} holds {data_type.simpleString()} values, which do not render "
             "as prompt text; cast it to a string first or leave it out"
         )
+    return _text(name, data_type)
+
+
+def _text(name: str, data_type: T.DataType | None) -> Column:
+    """``CAST(name AS STRING)``, nulls as NULL_TEXT (a whole float drops its ".0", as Arrow
+    renders it; with no ``data_type`` known, the cast alone)."""
     text = F.col(name).cast("string")
-    if isinstance(data_type, (T.FloatType, T.DoubleType)):  # 3.0 -> "3", as Arrow renders it
+    if isinstance(data_type, (T.FloatType, T.DoubleType)):
         text = F.regexp_replace(text, r"\.0$", "")
     return F.coalesce(text, F.lit(NULL_TEXT))
 
@@ -72,14 +78,12 @@ def prompt_column(prompt: TablePrompt, df: DataFrame | None = None) -> Column:
     checked first; without, Spark resolves the names when the column is used)."""
     if df is not None:
         check_table(df, prompt)
-    parts = []
-    for piece in prompt.pieces():
-        if isinstance(piece, str):
-            parts.append(F.lit(piece))
-        elif df is not None:
-            parts.append(field_text(df, piece.name))
-        else:
-            parts.append(F.coalesce(F.col(piece.name).cast("string"), F.lit(NULL_TEXT)))
+    parts = [
+        F.lit(piece)
+        if isinstance(piece, str)
+        else (_text(piece.name, None) if df is None else field_text(df, piece.name))
+        for piece in prompt.pieces()
+    ]
     return F.concat(*parts) if len(parts) > 1 else parts[0]
 
 

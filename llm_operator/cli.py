@@ -172,6 +172,8 @@ class Loaded(NamedTuple):
     prompts: list  # one per row: rendered (in the chosen order with --reorder-fields)
     fields: Any  # the FieldPlan with --reorder-fields, else None
     options: dict  # the engine, sampling and chat options left for the engines
+    given: Any  # the TablePrompt of --template/--columns as given, else None
+    dedupe: bool  # --dedupe: the CLI computes identical prompts once
 
 
 def _load_prompts(args) -> Loaded:
@@ -185,29 +187,24 @@ def _load_prompts(args) -> Loaded:
     for name in TABLE_OPTIONS:
         if name in options:
             options[name] = option_table.BY_NAME[name].validate(options[name])
-    table_spec = dict(options)
-    prompt = table_options(table_spec)
-    if (prompt is None) == (args.prompt_col is None):
+    given = table_options(dict(options))  # also refuses --reorder-fields with nothing to move
+    if (given is None) == (args.prompt_col is None):
         raise ValueError("give --prompt-col, or build prompts with --template or --columns")
-    reorder = options.get("reorder_fields", False)
-    if reorder and not prompt.movable:
-        raise ValueError(
-            "--reorder-fields: the template has no movable lines; put each field to reorder "
-            "on its own line, in a run of such lines"
-        )
+    dedupe = options.get("dedupe", False)
     table = read_table(args.input)
     if args.limit is not None:
         if args.limit < 1:
             raise ValueError(f"--limit must be >= 1, got {args.limit}")
         table = table.slice(0, args.limit)
     rest = {k: v for k, v in options.items() if k not in TABLE_OPTIONS}
-    if prompt is None:
-        return Loaded(table, prompts_from_table(table, prompt_col=args.prompt_col), None, rest)
+    if given is None:
+        prompts = prompts_from_table(table, prompt_col=args.prompt_col)
+        return Loaded(table, prompts, None, rest, None, dedupe)
     fields = None
-    if reorder:
-        fields = plan_fields(prompt, ArrowStatistics(table, prompt))
-        prompt = fields.chosen
-    return Loaded(table, render_arrow(table, prompt), fields, rest)
+    if options.get("reorder_fields", False):
+        fields = plan_fields(given, ArrowStatistics(table, given))
+    prompts = render_arrow(table, given if fields is None else fields.chosen)
+    return Loaded(table, prompts, fields, rest, given, dedupe)
 
 
 def command_run(args) -> int:
@@ -216,11 +213,11 @@ def command_run(args) -> int:
     from llm_operator.tables import add_result_columns, table_format, write_table
 
     table_format(args.output)  # fail on a bad output name before any work
-    table, prompts, fields, options = _load_prompts(args)
+    table, prompts, fields, options, _, deduplicate = _load_prompts(args)
     if fields is not None:
         print(fields.report())
     positions = None
-    if option_table.from_arguments(args).get("dedupe"):
+    if deduplicate:
         prompts, positions = dedupe(prompts)
         print(f"dedupe: {len(positions)} rows, {len(prompts)} distinct prompts to compute")
     if args.checkpoint is not None:
@@ -288,30 +285,30 @@ def command_plan(args) -> int:
     from llm_operator.field_order import ArrowStatistics, plan_fields
     from llm_operator.integrations._partition import dedupe
     from llm_operator.prompts import as_chat
-    from llm_operator.table_prompt import render_arrow, table_options
+    from llm_operator.table_prompt import render_arrow
 
-    table, prompts, fields, options = _load_prompts(args)
+    table, prompts, fields, options, given, deduplicate = _load_prompts(args)
     chosen = option_table.split(options)
-    prompt_options = {k: v for k, v in chosen["prompt"].items() if k not in TABLE_OPTIONS}
     op = LLMOperator(args.model, **chosen["engine"])
     sampling = SamplingParams(**chosen["sampling"])
-    deduplicate = option_table.from_arguments(args).get("dedupe", False)
 
     def plan_of(rows: list):
         if deduplicate:
             rows = dedupe(rows)[0]
-        return op.plan(as_chat(rows, **prompt_options), sampling)
+        return op.plan(as_chat(rows, **chosen["prompt"]), sampling)
 
-    spec = table_options(dict(option_table.from_arguments(args)))
-    if spec is None or not spec.movable:  # one order only
+    if given is None or not given.movable:  # one order only
         plan = plan_of(prompts)
         print(json.dumps(plan.stats.as_dict(), indent=2) if args.json else plan.report())
         return 0
     if fields is None:  # the statistics of both orders, even when the run keeps the given one
-        fields = plan_fields(spec, ArrowStatistics(table, spec))
+        fields = plan_fields(given, ArrowStatistics(table, given))
+        rendered_with = given
+    else:
+        rendered_with = fields.chosen
     plans = {
-        "given": plan_of(render_arrow(table, fields.given)),
-        "chosen": plan_of(prompts if fields.chosen == spec else render_arrow(table, fields.chosen)),
+        name: plan_of(prompts if order == rendered_with else render_arrow(table, order))
+        for name, order in (("given", fields.given), ("chosen", fields.chosen))
     }
     if args.json:
         report = {

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any, Protocol
 
-from llm_operator.table_prompt import Field, TablePrompt, arrow_text
+from llm_operator.table_prompt import Field, TablePrompt, field_texts
 
 EXHAUSTIVE_FIELDS = 8
 """Blocks of up to this many movable fields are ordered exactly (2^k distinct counts)."""
@@ -274,14 +274,8 @@ class ArrowStatistics:
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        from llm_operator.table_prompt import NULL_TEXT, check_columns
-
-        check_columns(prompt, table.column_names, "the table")
+        texts = field_texts(table, prompt)
         self.rows = table.num_rows
-        texts = {
-            name: pc.fill_null(arrow_text(table.column(name), name), NULL_TEXT)
-            for name in prompt.fields
-        }
         self._table = pa.table(texts)
         self.mean_chars = {
             name: (pc.sum(pc.utf8_length(text)).as_py() or 0) / max(self.rows, 1)

@@ -221,13 +221,27 @@ def check_columns(prompt: TablePrompt, available: Sequence[str], what: str = "th
         )
 
 
+TABLE_PROMPT_OPTIONS = ("template", "columns", "instruction")
+"""The options that describe a TablePrompt (``table_options``)."""
+
+
 def table_options(options: dict[str, Any]) -> TablePrompt | None:
     """Pop ``template``, ``columns`` and ``instruction`` from ``options``: the TablePrompt
-    they describe, or None when none is given."""
-    given = {name: options.pop(name, None) for name in ("template", "columns", "instruction")}
-    if all(value is None for value in given.values()):
-        return None
-    return TablePrompt.build(**given)
+    they describe, or None when none is given. With ``reorder_fields`` true in
+    ``options``, ValueError unless the prompt has lines that may move."""
+    given = {name: options.pop(name, None) for name in TABLE_PROMPT_OPTIONS}
+    prompt = None
+    if any(value is not None for value in given.values()):
+        prompt = TablePrompt.build(**given)
+    if options.get("reorder_fields"):
+        if prompt is None:
+            raise ValueError("reorder_fields needs a template or columns: the fields to reorder")
+        if not prompt.movable:
+            raise ValueError(
+                "reorder_fields: the template has no movable lines; put each field to reorder "
+                f"on its own line, in a run of such lines (template: {prompt.text()!r:.120})"
+            )
+    return prompt
 
 
 # -- rendering Arrow columns (the CLI and Dask) ---------------------------------------
@@ -275,16 +289,24 @@ def arrow_text(column: Any, name: str) -> Any:
     return pc.cast(column, pa.string())
 
 
+def field_texts(table: Any, prompt: TablePrompt) -> dict[str, Any]:
+    """Each field of a pyarrow Table as rendered text, nulls as ``NULL_TEXT`` (ValueError
+    naming missing columns, TypeError naming ones that do not render)."""
+    import pyarrow.compute as pc
+
+    check_columns(prompt, table.column_names, "the table")
+    return {
+        name: pc.fill_null(arrow_text(table.column(name), name), NULL_TEXT)
+        for name in prompt.fields
+    }
+
+
 def render_arrow(table: Any, prompt: TablePrompt) -> list[str]:
     """One prompt per row of a pyarrow Table (TypeError/ValueError naming a bad column)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    check_columns(prompt, table.column_names, "the table")
-    texts = {
-        name: pc.fill_null(arrow_text(table.column(name), name), NULL_TEXT)
-        for name in prompt.fields
-    }
+    texts = field_texts(table, prompt)
     rows = table.num_rows
     parts = [
         pa.array([piece] * rows, pa.string()) if isinstance(piece, str) else texts[piece.name]

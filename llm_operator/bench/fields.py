@@ -215,12 +215,10 @@ def _machine(model: str) -> dict:
 
     from llm_operator.bench.flops import model_shape
     from llm_operator.bench.rate import measure_matmul_rate
-    from llm_operator.models import resolve_model
+    from llm_operator.models import load_tokenizer, resolve_model
     from llm_operator.models.info import read_model_info
 
     resolved = resolve_model(model)
-    from llm_operator.models import load_tokenizer
-
     info = read_model_info(resolved.path, load_tokenizer(resolved.path))
     rates = measure_matmul_rate(model_shape(info.config), dtypes=("float32",))
     return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
