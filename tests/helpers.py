@@ -43,6 +43,21 @@ LLAMA3_ROPE_PARAMETERS = {
 }
 
 
+# Ten short product reviews: the row texts of the Spark and fault tests.
+REVIEWS = (
+    "The battery lasts two full days.",
+    "Shipping took 12 days and the box arrived crushed.",
+    "Great value for the price, would buy again.",
+    "The app crashes every time I open the settings page.",
+    "Terrible fit: the shoes run a full size small.",
+    "Refund received, thank you for the quick help!",
+    "The screen has a dead pixel in the top right corner.",
+    "Sound quality is clear, but the bass is weak.",
+    "Two of the six glasses arrived broken.",
+    "The tent kept us dry during a heavy storm.",
+)
+
+
 def build_tiny_tokenizer(output_dir: Path, corpus: Sequence[str]) -> Path:
     """Train a byte-level BPE tokenizer on `corpus` and save it as a fast HF tokenizer.
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import pandas as pd
 import pytest
-from helpers import job_group
+from helpers import REVIEWS, job_group
 
 MAX_TOKENS = 6
 SAMPLED = dict(temperature=0.9, seed=1234)  # seeded sampling: the same text on a retry
@@ -43,18 +43,6 @@ INSTRUCTIONS = (
     "Summarize the review in one sentence.\nReview: ",
     "Extract the product name and the main complaint.\nReview: ",
     "Rate the urgency from 1 to 5 and explain briefly.\nReview: ",
-)
-REVIEWS = (
-    "The battery lasts two full days.",
-    "Shipping took 12 days and the box arrived crushed.",
-    "Great value for the price, would buy again.",
-    "The app crashes every time I open the settings page.",
-    "Terrible fit: the shoes run a full size small.",
-    "Refund received, thank you for the quick help!",
-    "The screen has a dead pixel in the top right corner.",
-    "Sound quality is clear, but the bass is weak.",
-    "Two of the six glasses arrived broken.",
-    "The tent kept us dry during a heavy storm.",
 )
 # 40 rows: row i is instruction i // 10, review i % 10
 PROMPTS = [f"{instruction}{review}\nAnswer:" for instruction in INSTRUCTIONS for review in REVIEWS]

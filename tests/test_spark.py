@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("pyspark")
 
 import pandas as pd  # noqa: E402
-from helpers import TYPED_SCHEMA, job_group  # noqa: E402
+from helpers import REVIEWS, TYPED_SCHEMA, job_group  # noqa: E402
 from pyspark import cloudpickle  # noqa: E402
 from pyspark.resource import ResourceInformation  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
@@ -48,18 +48,6 @@ INSTRUCTIONS = (
     "Summarize the review in one sentence.",
     "Extract the product name and the main complaint.",
     "Rate the urgency from 1 to 5 and explain briefly.",
-)
-REVIEWS = (
-    "The battery lasts two full days.",
-    "Shipping took 12 days and the box arrived crushed.",
-    "Great value for the price, would buy again.",
-    "The app crashes every time I open the settings page.",
-    "Terrible fit: the shoes run a full size small.",
-    "Refund received, thank you for the quick help!",
-    "The screen has a dead pixel in the top right corner.",
-    "Sound quality is clear, but the bass is weak.",
-    "Two of the six glasses arrived broken.",
-    "The tent kept us dry during a heavy storm.",
 )
 # 40 rows: 4 instructions x 10 reviews, in 4 partitions of 10 rows
 ROWS = [
