@@ -7,17 +7,30 @@ against its own K/V, causal), merged by log-sum-exp in ``merge_attention_states`
 validated once on the host (``own_batch``, ``prefix_batch``) and reused by every layer.
 Shapes and contracts are in ``reference.py``'s docstrings.
 
-Two implementations share these signatures: the torch reference (``reference.py``, the
-CPU path and the test oracle) and Triton kernels (``triton_attention.py``). CUDA tensors
-go to Triton, CPU tensors to the reference; ``LLM_OPERATOR_KERNELS=torch|triton`` forces
-one (``triton`` on CPU tensors needs ``TRITON_INTERPRET=1``, set before import).
+Three implementations:
 
-Self-check. The Triton kernels are tested in the interpreter, not yet on a GPU, so the
-native engine calls ``ensure_checked(device, dtype)`` when it starts: it runs
-``self_check.check_triton`` once per (device, dtype, head shape) and, when the kernels
-disagree with the reference or fail to build, warns once (RuntimeWarning) and sends every
-later operation on that device to the torch reference for the rest of the process. An
-explicit ``LLM_OPERATOR_KERNELS`` skips the check (``triton`` still forces the kernels).
+    torch   the reference (``reference.py``): the test oracle, and the CPU fallback
+    triton  Triton kernels (``triton_attention.py``) for CUDA tensors, same signatures
+    cpp     compiled CPU kernels (``cpu_kernels.cpp`` via ``cpu_extension`` and ``cpu_ops``)
+            for fp32/bf16 CPU tensors: their own cache layout (``kv_cache_shapes``), and one
+            call per layer that stores the step's K/V and computes every part, merged
+
+The engine runs a step through ``AttentionStep`` (built once per step, called per layer),
+which works for all three (``step_implementation`` picks: CUDA tensors go to Triton;
+fp32/bf16 CPU tensors to ``cpp`` once ``ensure_checked`` loaded it, other CPU tensors to
+the reference). The single operations below run in the reference layout, on Triton or the
+reference (``implementation``).
+``LLM_OPERATOR_KERNELS=torch|triton|cpp`` forces one (``triton`` on CPU tensors needs
+``TRITON_INTERPRET=1``, set before import).
+
+Self-check. The native engine calls ``ensure_checked(device, dtype)`` when it starts. On
+CUDA it runs ``self_check.check_triton`` once per (device, dtype, head shape) and, when the
+kernels disagree with the reference or fail to build, warns once (RuntimeWarning) and
+sends every later operation on that device to the torch reference for the rest of the
+process. On the CPU it builds or loads the compiled kernels and checks them
+(``cpu_extension.load``); without a compiler, or on a failed check, it warns once and the
+CPU runs the torch reference. An explicit ``LLM_OPERATOR_KERNELS`` skips the Triton check
+(``triton`` still forces the kernels); ``cpp`` raises if the compiled kernels cannot load.
 """
 
 from __future__ import annotations
@@ -30,7 +43,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from llm_operator.kernels import reference
+from llm_operator.kernels import cpu_extension, cpu_ops, reference
 from llm_operator.kernels.reference import (
     AttentionOutput,
     OwnBatch,
@@ -43,11 +56,14 @@ from llm_operator.kernels.reference import (
 __all__ = [
     "IMPLEMENTATION_ENV",
     "AttentionOutput",
+    "AttentionStep",
     "OwnBatch",
     "PrefixBatch",
     "chain_batch",
     "ensure_checked",
     "implementation",
+    "kv_cache_shapes",
+    "step_implementation",
     "merge_attention_states",
     "own_attention",
     "own_batch",
@@ -57,7 +73,7 @@ __all__ = [
 ]
 
 IMPLEMENTATION_ENV = "LLM_OPERATOR_KERNELS"
-_IMPLEMENTATIONS = ("torch", "triton")
+_IMPLEMENTATIONS = ("torch", "triton", "cpp")
 # Device types whose tensors go to the Triton kernels unless the self-check failed there.
 _TRITON_DEVICE_TYPES = ("cuda",)
 
@@ -89,20 +105,51 @@ def _device_key(device: torch.device) -> tuple[str, int | None]:
 
 
 def implementation(tensor: Tensor) -> str:
-    """``"torch"`` or ``"triton"``: the one that runs operations on ``tensor``'s device.
+    """``"torch"`` or ``"triton"``: the one that runs single operations (``store_kv``,
+    ``own_attention``, ...) on ``tensor``'s device, in the reference cache layout.
 
-    ``LLM_OPERATOR_KERNELS`` when set; else Triton for CUDA tensors unless the device
-    failed its self-check (``ensure_checked``), and the torch reference for the rest.
+    ``LLM_OPERATOR_KERNELS`` when set (``cpp``, which has no single operations, means the
+    reference here); else Triton for CUDA tensors unless the device failed its self-check
+    (``ensure_checked``), and the torch reference for the rest.
     """
     forced = _forced()
     if forced:
-        return forced
+        return "torch" if forced == "cpp" else forced
     device = tensor.device
     if device.type not in _TRITON_DEVICE_TYPES:
         return "torch"
     if _fallback_devices and (device.type, device.index) in _fallback_devices:
         return "torch"
     return "triton"
+
+
+def step_implementation(tensor: Tensor) -> str:
+    """``"torch"``, ``"triton"`` or ``"cpp"``: the one an ``AttentionStep`` (and the cache
+    layout, ``kv_cache_shapes``) uses for tensors like ``tensor``: the compiled CPU kernels
+    for fp32/bf16 CPU tensors once ``ensure_checked`` loaded them (or when
+    ``LLM_OPERATOR_KERNELS=cpp``), else ``implementation(tensor)``."""
+    forced = _forced()
+    if forced == "cpp":
+        return "cpp"
+    if (
+        forced is None
+        and tensor.device.type == "cpu"
+        and tensor.dtype in cpu_ops.CPU_DTYPES
+        and cpu_extension.loaded() is not None
+    ):
+        return "cpp"
+    return implementation(tensor)
+
+
+def kv_cache_shapes(
+    implementation: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(k_cache, v_cache) shapes of one layer for ``implementation``: the compiled CPU
+    kernels' layout for ``cpp``, ``[num_blocks, block_size, num_kv_heads, head_dim]`` else."""
+    if implementation == "cpp":
+        return cpu_ops.kv_cache_shapes(num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return shape, shape
 
 
 def ensure_checked(
@@ -117,9 +164,12 @@ def ensure_checked(
     failure, route every later operation on ``device`` to the torch reference.
 
     Returns None when the kernels passed (or no check applies), else the failure's reason.
-    Does nothing (None) when ``LLM_OPERATOR_KERNELS`` is set (``triton`` forces the kernels
+    On the CPU (fp32, bf16; unless ``LLM_OPERATOR_KERNELS`` is ``torch`` or ``triton``) it
+    builds or loads and checks the compiled CPU kernels once per process
+    (``cpu_extension.load``, which warns on failure; forced ``cpp`` then raises). Else it
+    does nothing (None) when ``LLM_OPERATOR_KERNELS`` is set (``triton`` forces the kernels
     unchecked, ``torch`` needs none) or when ``device``'s tensors go to the torch reference
-    anyway (CPU). Otherwise runs ``self_check.check_triton(device, dtype, ...)`` with the
+    anyway. Otherwise runs ``self_check.check_triton(device, dtype, ...)`` with the
     model's head shape the first time a (device, dtype, head shape) is seen and caches its
     result; a failure warns once (RuntimeWarning: which check failed, why, and that the
     torch path is used) and is never retried. Thread-safe; a check holds the lock while
@@ -127,6 +177,18 @@ def ensure_checked(
     """
     forced = _forced()
     device = torch.device(device)
+    if (
+        device.type == "cpu"
+        and device.type not in _TRITON_DEVICE_TYPES
+        and forced in (None, "cpp")
+        and dtype in cpu_ops.CPU_DTYPES
+    ):
+        if cpu_extension.load() is None and forced == "cpp":
+            raise RuntimeError(
+                f"{IMPLEMENTATION_ENV}=cpp but the compiled CPU kernels cannot be used: "
+                f"{cpu_extension.failure()}"
+            )
+        return cpu_extension.failure()
     if forced or device.type not in _TRITON_DEVICE_TYPES:
         return None
     device_key = _device_key(device)
@@ -204,3 +266,59 @@ def merge_attention_states(parts: Sequence[tuple[Tensor, Tensor]]) -> AttentionO
     if not isinstance(first, Tensor):
         return reference.merge_attention_states(parts)  # raises the argument error
     return _module(first).merge_attention_states(parts)
+
+
+class AttentionStep:
+    """One step's attention, built once and called by every layer.
+
+    ``__call__(q, k, v, k_cache, v_cache, scale)`` stores this step's k, v
+    [T, kv_heads, dim] at ``slot_mapping`` and returns each row's attention over its own
+    K/V (``own``, causal) and its shared segments (``prefixes``, non-causal), merged by
+    log-sum-exp: out [T, heads, dim] in q's dtype. Caches are in ``implementation``'s
+    layout (``kv_cache_shapes``). ``prefixes``: one ``prefix_batch`` per chain level, or
+    (torch only) one ``chain_batch``.
+    """
+
+    def __init__(
+        self,
+        implementation: str,
+        own: OwnBatch,
+        prefixes: Sequence[PrefixBatch],
+        slot_mapping: Tensor,
+    ) -> None:
+        if implementation not in _IMPLEMENTATIONS:
+            raise ValueError(
+                f"implementation must be one of {_IMPLEMENTATIONS}, got {implementation!r}"
+            )
+        self.implementation = implementation
+        self.own, self.prefixes, self.slot_mapping = own, list(prefixes), slot_mapping
+        self.module = None
+        if implementation == "cpp":
+            self.module = cpu_extension.loaded()
+            if self.module is None:
+                raise RuntimeError(
+                    "the compiled CPU kernels are not loaded (kernels.ensure_checked loads "
+                    f"them): {cpu_extension.failure() or 'never loaded'}"
+                )
+            self.work = cpu_ops.attention_items(own, self.prefixes)
+        elif implementation == "triton":
+            from llm_operator.kernels import triton_attention
+
+            self.module = triton_attention
+        else:
+            self.module = reference
+
+    def __call__(
+        self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float
+    ) -> Tensor:
+        if self.implementation == "cpp":
+            cpu_ops.store_kv(self.module, k_cache, v_cache, k, v, self.slot_mapping)
+            return cpu_ops.attention(self.module, q, k_cache, v_cache, self.work, scale)
+        module = self.module
+        module.store_kv(k_cache, v_cache, k, v, self.slot_mapping)
+        parts = [module.own_attention(q, k_cache, v_cache, self.own, scale)]
+        for batch in self.prefixes:
+            parts.append(module.prefix_attention(q, k_cache, v_cache, batch, scale))
+        if len(parts) == 1:
+            return parts[0].out
+        return module.merge_attention_states(parts).out

@@ -1,14 +1,20 @@
-"""The native forward's linear layers on the CPU: aten's GEMM or oneDNN's, chosen by measurement.
+"""The native forward's linear layers on the CPU: aten's GEMM, oneDNN's or our packed
+kernel, chosen by measurement.
 
-Which library multiplies faster depends on the processor and the shape: on one 2-core
-AMD EPYC oneDNN's linear ran 1.2-1.6x aten's on prefill shapes; on a 2-core Intel Xeon
-with AMX, aten ran 1.1-1.3x oneDNN's at 3,566 rows and oneDNN 1.5x aten's on some decode
-shapes and 0.6x on others. So the first time a shape is seen, ``GemmChoice`` times both
-on that very input and keeps the faster for every later call of that shape: rows are
-bucketed by powers of two, so a job tunes a dozen or so shapes once, in milliseconds.
+Which one multiplies faster depends on the processor and the shape: on one 2-core AMD
+EPYC oneDNN's linear ran 1.2-1.6x aten's on prefill shapes; on a 2-core Intel Xeon with
+AMX, aten ran 1.1-1.3x oneDNN's at 3,566 rows and oneDNN 1.5x aten's on some decode shapes
+and 0.6x on others. The compiled kernel (``kernels/cpu_kernels.cpp``, ``packed_linear``)
+reads a weight packed once at load time (``pack_weight``) as one stream per 16 output
+columns: on that AMD EPYC it streams SmolLM2's fp32 weights at ~29 GB/s for one decode row
+where oneDNN reached ~14, and ran 1.2-1.5x oneDNN's at 16-1,024 rows. So the first time a
+shape is seen, ``GemmChoice`` times each candidate on that very input and keeps the
+fastest for every later call of that shape: rows are bucketed by powers of two, so a job
+tunes a dozen or so shapes once, in milliseconds (``tune`` does it when an engine starts).
 
-Both compute the same products; their rounding differs at the 1e-6 relative level (fp32).
-``LLM_OPERATOR_GEMM=aten|onednn`` forces one (``auto``, the default, measures).
+All compute the same products; their rounding differs at the 1e-6 relative level (fp32).
+``LLM_OPERATOR_GEMM=aten|onednn|packed`` forces one (``auto``, the default, measures;
+``packed`` falls back to aten for a weight that has no packed copy).
 """
 
 from __future__ import annotations
@@ -22,12 +28,16 @@ import torch
 from torch import Tensor, nn
 
 GEMM_ENV = "LLM_OPERATOR_GEMM"
-_CHOICES = ("auto", "aten", "onednn")
+_CHOICES = ("auto", "aten", "onednn", "packed")
 # Products smaller than this many multiply-adds are not worth timing (tiny test models):
 # they take oneDNN's path when it exists.
 MIN_TIMED_MACS = 1 << 22
+# Row counts up to this stream the weight from memory (decode steps): tuned over all of a
+# shape's weights in turn (see ``GemmChoice.tune``).
+STREAM_ROWS = 64
 
 LinearFn = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _aten(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -48,7 +58,27 @@ def _onednn_available() -> bool:
     return True
 
 
-_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+def pack_weight(weight: Tensor) -> Tensor | None:
+    """``weight`` [out, in] packed for the compiled kernel (``cpu_ops.pack_linear_weight``),
+    or None where that kernel cannot run it (not loaded in this process, not a CPU tensor,
+    not fp32/bf16)."""
+    from llm_operator.kernels import cpu_extension, cpu_ops
+
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype not in cpu_ops.CPU_DTYPES
+        or weight.dim() != 2
+        or cpu_extension.loaded() is None
+    ):
+        return None
+    return cpu_ops.pack_linear_weight(weight)
+
+
+def _packed_kernel():
+    from llm_operator.kernels import cpu_extension
+
+    module = cpu_extension.loaded()
+    return None if module is None else module.packed_linear
 
 
 def forced_choice() -> str:
@@ -60,13 +90,16 @@ def forced_choice() -> str:
 
 
 class GemmChoice:
-    """Per CPU shape, the faster of aten's and oneDNN's linear, measured on first use.
+    """Per CPU shape, the fastest of aten's, oneDNN's and the packed linear, measured on
+    first use.
 
-    Contract: ``__call__(x, weight, bias)`` equals ``F.linear(x, weight, bias)`` up to
-    rounding. Non-CPU tensors, other dtypes, inputs that are not 2-D, and machines without
-    oneDNN always take aten's. A shape is (dtype, rows.bit_length(), out features, in
-    features, bias or not); its first call runs each candidate twice (the first round
-    warms them up) and keeps the faster (``choices`` shows what was chosen). Thread-safe.
+    Contract: ``__call__(x, weight, bias, packed)`` equals ``F.linear(x, weight, bias)`` up
+    to rounding; ``packed`` is ``pack_weight(weight)`` or None (then the packed kernel is no
+    candidate). Non-CPU tensors, other dtypes and inputs that are not 2-D always take
+    aten's. A shape is (dtype, rows.bit_length(), out features, in features, bias or not,
+    packed or not); its first call runs each candidate twice (the first round warms them
+    up) and keeps the fastest (``choices`` shows what was chosen). Products too small to
+    time take the packed kernel, else oneDNN's where they exist. Thread-safe.
     """
 
     def __init__(self, onednn: bool | None = None) -> None:
@@ -74,42 +107,94 @@ class GemmChoice:
         self.choices: dict[tuple, str] = {}
         self._lock = threading.Lock()
 
-    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        if not (
-            self.onednn and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES and x.dim() == 2
-        ):
+    def __call__(
+        self, x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: Tensor | None = None
+    ) -> Tensor:
+        if not (x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES and x.dim() == 2):
             return _aten(x, weight, bias)
+        kernel = None
+        if packed is not None and packed.dtype == x.dtype:
+            kernel = _packed_kernel()
         forced = forced_choice()
         if forced != "auto":
-            return (_onednn if forced == "onednn" else _aten)(x, weight, bias)
+            return self._run(forced, x, weight, bias, packed, kernel)
         rows, (out_features, in_features) = x.shape[0], weight.shape
         if rows * out_features * in_features < MIN_TIMED_MACS:
-            return _onednn(x, weight, bias)
-        key = (x.dtype, rows.bit_length(), out_features, in_features, bias is not None)
+            name = "packed" if kernel is not None else "onednn"
+            return self._run(name, x, weight, bias, packed, kernel)
+        key = (x.dtype, rows.bit_length(), out_features, in_features, bias is not None,
+               kernel is not None)  # fmt: skip
         name = self.choices.get(key)
         if name is None:
             with self._lock:
-                name = self.choices.get(key) or self._measure(key, x, weight, bias)
-        return (_onednn if name == "onednn" else _aten)(x, weight, bias)
+                name = self.choices.get(key) or self._measure_one(
+                    key, x, weight, bias, packed, kernel
+                )
+        return self._run(name, x, weight, bias, packed, kernel)
 
-    def tune(self, weights: list[Tensor], max_rows: int) -> None:
-        """Measure every power-of-two row count up to ``max_rows`` for these weights
-        ([out, in], as the model holds them) on random inputs, so a job's first
-        iterations don't pay for it (an engine calls this when it starts)."""
-        shapes = {(tuple(w.shape), w.dtype): w for w in weights}  # one weight per shape
-        for weight in shapes.values():
-            if weight.device.type != "cpu" or weight.dtype not in _ONEDNN_DTYPES:
-                continue
+    def _run(self, name: str, x, weight, bias, packed, kernel) -> Tensor:
+        """Candidate ``name``; aten's where that one is not available for this call."""
+        if name == "packed" and kernel is not None:
+            return kernel(x, packed, bias, weight.shape[0])
+        if name == "onednn" and self.onednn:
+            return _onednn(x, weight, bias)
+        return _aten(x, weight, bias)
+
+    def tune(self, weights: list[tuple[Tensor, Tensor | None]], max_rows: int) -> None:
+        """Measure every power-of-two row count up to ``max_rows`` for these (weight
+        [out, in], packed or None) pairs, so a job's first iterations don't pay for it (an
+        engine calls this when it starts).
+
+        Up to ``STREAM_ROWS`` rows a linear streams its weight from memory (a decode step
+        reads each layer's once), so those counts are timed over every weight of a shape in
+        turn, as a step reads them; a larger count reuses each weight from cache for many
+        rows and is timed on one weight, as ``__call__`` times a shape it has not seen.
+        """
+        groups: dict[tuple, list[tuple[Tensor, Tensor | None]]] = {}
+        for weight, packed in weights:
+            if weight.device.type == "cpu" and weight.dtype in _ONEDNN_DTYPES:
+                key = (tuple(weight.shape), weight.dtype, packed is not None)
+                groups.setdefault(key, []).append((weight, packed))
+        for pairs in groups.values():
+            weight, packed = pairs[0]
+            kernel = (
+                _packed_kernel() if packed is not None and packed.dtype == weight.dtype else None
+            )
+            out_features, in_features = weight.shape
             for power in range(max(1, max_rows).bit_length()):
-                x = torch.randn(1 << power, weight.shape[1], dtype=weight.dtype)
-                self(x, weight)
+                rows = 1 << power
+                x = torch.randn(rows, in_features, dtype=weight.dtype)
+                key = (weight.dtype, rows.bit_length(), out_features, in_features, False,
+                       kernel is not None)  # fmt: skip
+                if rows > STREAM_ROWS or len(pairs) == 1:
+                    self(x, weight, None, packed)
+                elif rows * out_features * in_features >= MIN_TIMED_MACS:
+                    with self._lock:
+                        self._measure(key, x, pairs, kernel)
 
-    def _measure(self, key: tuple, x: Tensor, weight: Tensor, bias: Tensor | None) -> str:
+    def _measure_one(self, key: tuple, x, weight, bias, packed, kernel) -> str:
+        names = ["aten"] + ["onednn"] * self.onednn + ["packed"] * (kernel is not None)
         best: dict[str, float] = {}
-        for _ in range(2):  # the first round also warms both up
-            for name, fn in (("aten", _aten), ("onednn", _onednn)):
+        for _ in range(2):  # the first round also warms each up
+            for name in names:
                 started = time.perf_counter()
-                fn(x, weight, bias)
+                self._run(name, x, weight, bias, packed, kernel)
+                elapsed = time.perf_counter() - started
+                best[name] = min(best.get(name, elapsed), elapsed)
+        name = min(best, key=best.__getitem__)
+        self.choices[key] = name
+        return name
+
+    def _measure(self, key: tuple, x: Tensor, pairs, kernel) -> str:
+        """Time each candidate on x against every (weight, packed) of ``pairs`` in turn (the
+        first round also warms each up); keep the fastest for ``key``."""
+        names = ["aten"] + ["onednn"] * self.onednn + ["packed"] * (kernel is not None)
+        best: dict[str, float] = {}
+        for _ in range(2):
+            for name in names:
+                started = time.perf_counter()
+                for weight, packed in pairs:
+                    self._run(name, x, weight, None, packed, kernel)
                 elapsed = time.perf_counter() - started
                 best[name] = min(best.get(name, elapsed), elapsed)
         name = min(best, key=best.__getitem__)
@@ -121,6 +206,9 @@ class GemmChoice:
 DEFAULT_GEMM = GemmChoice()
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear`` on the CPU GEMM measured fastest for this shape (``DEFAULT_GEMM``)."""
-    return DEFAULT_GEMM(x, weight, bias)
+def linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: Tensor | None = None
+) -> Tensor:
+    """``F.linear`` on the CPU GEMM measured fastest for this shape (``DEFAULT_GEMM``);
+    ``packed``: ``pack_weight(weight)``, which makes the packed kernel a candidate."""
+    return DEFAULT_GEMM(x, weight, bias, packed)

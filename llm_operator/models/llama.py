@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from llm_operator.models import fused
 from llm_operator.models.fused import FusedOps
-from llm_operator.models.gemm import linear
+from llm_operator.models.gemm import linear, pack_weight
 from llm_operator.models.rope import RotaryEmbedding, rope_inverse_frequencies, rope_type
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -135,10 +135,13 @@ def _sliding_window(hf_config: Any, model_type: str) -> int | None:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` through ``gemm.linear`` (the CPU GEMM measured fastest per shape)."""
+    """``nn.Linear`` through ``gemm.linear`` (the CPU GEMM measured fastest per shape);
+    ``packed``: the weight packed for the compiled CPU kernel (``LlamaModel.pack_weights``)."""
+
+    packed: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class RMSNorm(nn.Module):
@@ -294,8 +297,27 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size] float32 (matmul in the model dtype)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        return linear(hidden, self.head_weight, None, self.head_packed).float()
+
+    @property
+    def head_weight(self) -> Tensor:
+        """The LM head's weight [vocab_size, hidden_size] (the embedding's when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    head_packed: Tensor | None = None
+
+    def pack_weights(self) -> list[tuple[Tensor, Tensor | None]]:
+        """Pack every projection and the LM head for the compiled CPU GEMM
+        (``gemm.pack_weight``; None where it cannot run: not on the CPU, another dtype,
+        kernels not loaded). Returns the (weight, packed) pairs, for ``GemmChoice.tune``."""
+        pairs = []
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.packed = pack_weight(module.weight)
+                pairs.append((module.weight, module.packed))
+        self.head_packed = pack_weight(self.head_weight)
+        pairs.append((self.head_weight, self.head_packed))
+        return pairs
 
 
 def load_generation_config(model_dir: str | Path):

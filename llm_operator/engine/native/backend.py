@@ -56,11 +56,10 @@ class NativeBackend:
         self.kv_cache_bytes = kv_cache_bytes
         self.block_size = block_size
         self.last_profile: dict[str, Any] = {}
-        if self.device.type == "cpu":  # time the CPU GEMMs of every linear shape once, now
-            DEFAULT_GEMM.tune(
-                [p for name, p in model.named_parameters() if name.endswith("proj.weight")],
-                max_rows=self.max_batched_tokens,
-            )
+        # (implementation, num_blocks, k caches, v caches): the KV pool, kept across runs
+        self._pool: tuple[str, int, list, list] | None = None
+        if self.device.type == "cpu":  # pack the weights, time each linear shape's GEMMs once
+            DEFAULT_GEMM.tune(model.pack_weights(), max_rows=self.max_batched_tokens)
 
     # -- memory ------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -83,11 +82,26 @@ class NativeBackend:
             )
         return blocks
 
-    def _chain_batches(self) -> bool:
-        """Whether a row's whole chain of shared segments is one attention part: on the
-        torch path (kernels.chain_batch reads slot lists); the Triton kernels take one
-        block-table batch per chain level."""
-        return kernels.implementation(torch.empty(0, device=self.device)) == "torch"
+    def _implementation(self) -> str:
+        """The attention kernels of this backend's device and dtype (``kernels.implementation``)."""
+        return kernels.step_implementation(torch.empty(0, device=self.device, dtype=self.dtype))
+
+    def _kv_pool(self, implementation: str, num_blocks: int) -> tuple[list, list]:
+        """Per-layer K and V caches of at least ``num_blocks`` blocks in ``implementation``'s
+        layout. Allocated zeroed (its pages touched now, not in the steps) and kept for
+        later runs: a run that needs no more blocks reuses them; a larger one replaces them."""
+        pool = self._pool
+        if pool is None or pool[0] != implementation or pool[1] < num_blocks:
+            self._pool = None  # free the smaller pool before allocating the larger
+            c = self.config
+            k_shape, v_shape = kernels.kv_cache_shapes(
+                implementation, num_blocks, self.block_size, c.num_kv_heads, c.head_dim
+            )
+            options = {"dtype": self.dtype, "device": self.device}
+            k_cache = [torch.zeros(k_shape, **options) for _ in range(c.num_layers)]
+            v_cache = [torch.zeros(v_shape, **options) for _ in range(c.num_layers)]
+            self._pool = pool = (implementation, num_blocks, k_cache, v_cache)
+        return pool[2], pool[3]
 
     # -- a run -----------------------------------------------------------------------
     def start(self, run: Run) -> _NativeSteps:
@@ -125,7 +139,7 @@ class NativeBackend:
         device = self.device
         shape = {"block_size": bs, "num_blocks": scheduler.blocks.num_blocks, "device": device}
         own_batch = kernels.own_batch(query_start, tables, context_lens, **shape)
-        if self._chains_in_one_part and chains:
+        if self._run_implementation == "torch" and chains:
             # torch path: a row's whole chain is one attention part (one call, one merge)
             prefix_batches = [
                 kernels.chain_batch(
@@ -138,7 +152,7 @@ class NativeBackend:
                     **shape,
                 )
             ]
-        else:  # one batch per level of the chains (the Triton kernels read block tables)
+        else:  # one batch per level of the chains (Triton and cpp read block tables)
             levels: list[dict[int, list[int]]] = []  # level -> segment id -> q rows
             for chain, rows in chains.items():
                 for level, segment_id in enumerate(chain):
@@ -156,17 +170,13 @@ class NativeBackend:
                 for level in levels
             ]
         slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+        step = kernels.AttentionStep(
+            self._run_implementation, own_batch, prefix_batches, slot_mapping
+        )
         scale = self.config.scale
 
         def attention(layer: int, q, k, v):
-            k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
-            kernels.store_kv(k_cache, v_cache, k, v, slot_mapping)
-            parts = [kernels.own_attention(q, k_cache, v_cache, own_batch, scale)]
-            for batch in prefix_batches:
-                parts.append(kernels.prefix_attention(q, k_cache, v_cache, batch, scale))
-            if len(parts) == 1:
-                return parts[0].out
-            return kernels.merge_attention_states(parts).out
+            return step(q, k, v, self.k_cache[layer], self.v_cache[layer], scale)
 
         return {
             "input_ids": torch.tensor(input_ids, dtype=torch.int64, device=device),
@@ -182,15 +192,10 @@ class _NativeSteps:
     @torch.inference_mode()
     def __init__(self, backend: NativeBackend, run: Run) -> None:
         self.backend, self.run = backend, run
-        plan, config = run.plan, backend.config
+        plan = run.plan
         num_blocks = backend._num_blocks(plan)
-        backend._chains_in_one_part = backend._chain_batches()
-        shape = (num_blocks, backend.block_size, config.num_kv_heads, config.head_dim)
-        backend.k_cache = [
-            torch.empty(shape, dtype=backend.dtype, device=backend.device)
-            for _ in range(config.num_layers)
-        ]
-        backend.v_cache = [torch.empty_like(k) for k in backend.k_cache]
+        backend._run_implementation = implementation = backend._implementation()
+        backend.k_cache, backend.v_cache = backend._kv_pool(implementation, num_blocks)
         self.scheduler = Scheduler(
             plan,
             BlockManager(num_blocks, backend.block_size),
@@ -241,7 +246,7 @@ class _NativeSteps:
 
     def close(self) -> None:
         stats = self.scheduler.stats
-        self.backend.k_cache = self.backend.v_cache = []  # the pool lives for one run
+        self.backend.k_cache = self.backend.v_cache = []  # the pool stays for the next run
         self.backend.last_profile.update(
             preemptions=stats.preemptions,
             segment_evictions=stats.segment_evictions,

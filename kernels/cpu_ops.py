@@ -1,0 +1,337 @@
+"""Launchers of the compiled CPU kernels (``cpu_kernels.cpp``), their layouts and self-check.
+
+The compiled module comes from ``cpu_extension.load()``; every launcher takes it as its
+first argument and checks shapes, dtypes and devices (index values are the engine's, checked
+once per step by ``reference.own_batch`` / ``prefix_batch``).
+
+Layouts (see ``cpu_kernels.cpp``):
+
+    packed weight  [ceil(N / 16), K, 16]            ``pack_linear_weight`` of W [N, K]
+    k_cache        [num_blocks, kv_heads, head_dim, block_size]
+    v_cache        [num_blocks, kv_heads, block_size, head_dim]
+
+``to_cpu_layout`` / ``from_cpu_layout`` convert caches from / to the reference layout
+``[num_blocks, block_size, kv_heads, head_dim]``, so a test compares both on the same keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from llm_operator.kernels import reference
+from llm_operator.kernels.reference import OwnBatch, PrefixBatch
+
+__all__ = [
+    "CPU_DTYPES",
+    "LANES",
+    "SPLIT_KEYS",
+    "AttentionItems",
+    "attention",
+    "attention_items",
+    "from_cpu_layout",
+    "kv_cache_shapes",
+    "pack_linear_weight",
+    "packed_linear",
+    "self_check",
+    "store_kv",
+    "to_cpu_layout",
+]
+
+LANES = 16  # output columns of one packed weight block; keys of one score vector
+CPU_DTYPES = (torch.float32, torch.bfloat16)
+# Keys per unit of work for rows that fit one tile (decode rows): a long shared prefix is
+# cut into this many keys per piece, so a few rows still keep every thread busy.
+SPLIT_KEYS = 256
+
+
+# ------------------------------------------------------------------ layouts
+
+
+def kv_cache_shapes(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The (k_cache, v_cache) shapes of one layer in the CPU layout."""
+    return (
+        (num_blocks, num_kv_heads, head_dim, block_size),
+        (num_blocks, num_kv_heads, block_size, head_dim),
+    )
+
+
+def to_cpu_layout(k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
+    """Reference-layout caches [blocks, block_size, kv_heads, dim] -> CPU layout (copies)."""
+    return k_cache.permute(0, 2, 3, 1).contiguous(), v_cache.permute(0, 2, 1, 3).contiguous()
+
+
+def from_cpu_layout(k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
+    """CPU-layout caches -> the reference layout (copies)."""
+    return k_cache.permute(0, 3, 1, 2).contiguous(), v_cache.permute(0, 2, 1, 3).contiguous()
+
+
+# ------------------------------------------------------------------ linear
+
+
+def pack_linear_weight(weight: Tensor) -> Tensor:
+    """W [N, K] -> [ceil(N / 16), K, 16] (zero-padded past N): 16 output columns per block,
+    each block one contiguous stream of K x 16 values, in W's dtype."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [out_features, in_features], got {tuple(weight.shape)}")
+    out_features, in_features = weight.shape
+    blocks = -(-out_features // LANES)
+    padded = weight.new_zeros(blocks * LANES, in_features)
+    padded[:out_features] = weight
+    return padded.view(blocks, LANES, in_features).transpose(1, 2).contiguous()
+
+
+def packed_linear(
+    module: ModuleType, x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int
+) -> Tensor:
+    """x [M, K] @ W^T (+ bias) -> [M, out_features] in x's dtype, W given packed."""
+    if x.dim() != 2 or x.shape[1] != packed.shape[1]:
+        raise ValueError(
+            f"x must be [rows, {packed.shape[1]}] for this packed weight, got {tuple(x.shape)}"
+        )
+    if x.dtype != packed.dtype or x.dtype not in CPU_DTYPES:
+        raise TypeError(
+            f"x is {x.dtype} and the packed weight {packed.dtype}; want one of {CPU_DTYPES}"
+        )
+    return module.packed_linear(x, packed, bias, out_features)
+
+
+# ------------------------------------------------------------------ attention
+
+
+class AttentionItems(NamedTuple):
+    """One step's attention work in the compiled kernel's terms (built once per step).
+
+    items [I, 6] int32: (table list, table row, key_len, row_begin, row_count, causal);
+    item_rows [N] int32: q rows, item i's at item_rows[row_begin : row_begin + row_count];
+    tables: block tables, the own batch's first, then one per prefix batch.
+    """
+
+    items: Tensor
+    item_rows: Tensor
+    tables: list[Tensor]
+
+
+def attention_items(own: OwnBatch, prefixes: Sequence[PrefixBatch]) -> AttentionItems:
+    """The items of a step: each request's rows against its own K/V (causal), and each
+    shared segment's rows against its K/V, one batch (chain level) after another."""
+    if any(p.slot_tables is not None for p in prefixes):
+        raise ValueError("the compiled CPU kernels take prefix_batch levels, not chain_batch")
+    starts = own.query_start.long()
+    counts = starts[1:] - starts[:-1]
+    own_items = torch.stack(
+        [
+            torch.zeros_like(counts),
+            torch.arange(len(counts)),
+            own.context_lens.long(),
+            starts[:-1],
+            counts,
+            torch.ones_like(counts),
+        ],
+        dim=1,
+    )
+    parts = [own_items]
+    rows = [torch.arange(own.num_rows)]
+    offset = own.num_rows
+    for index, prefix in enumerate(prefixes, start=1):
+        row_start = prefix.row_start.long()
+        segments = len(prefix.host_lengths)
+        parts.append(
+            torch.stack(
+                [
+                    torch.full((segments,), index),
+                    torch.arange(segments),
+                    prefix.lengths.long(),
+                    row_start[:-1] + offset,
+                    row_start[1:] - row_start[:-1],
+                    torch.zeros(segments, dtype=torch.long),
+                ],
+                dim=1,
+            )
+        )
+        rows.append(prefix.rows.long())
+        offset += len(prefix.host_rows)
+    items = torch.cat(parts).to(torch.int32)
+    keep = (items[:, 2] > 0) & (items[:, 4] > 0)  # no keys or no rows: nothing to do
+    return AttentionItems(
+        items[keep].contiguous(),
+        torch.cat(rows).to(torch.int32),
+        [own.block_tables.contiguous()] + [p.block_tables.contiguous() for p in prefixes],
+    )
+
+
+def _check_caches(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
+    if k_cache.dim() != 4 or v_cache.dim() != 4:
+        raise ValueError("k_cache and v_cache must be 4-D (the CPU layout)")
+    num_blocks, num_kv_heads, head_dim, block_size = k_cache.shape
+    if tuple(v_cache.shape) != (num_blocks, num_kv_heads, block_size, head_dim):
+        raise ValueError(
+            f"v_cache {tuple(v_cache.shape)} does not match k_cache {tuple(k_cache.shape)} "
+            "in the CPU layout"
+        )
+    if k_cache.dtype not in CPU_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"caches must be one of {CPU_DTYPES}, got {k_cache.dtype}, {v_cache.dtype}")
+    if q.dtype != k_cache.dtype:
+        raise TypeError(f"q is {q.dtype} but the caches {k_cache.dtype}")
+    if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
+        raise ValueError(
+            f"q must be [tokens, heads, {head_dim}] with heads a multiple of {num_kv_heads}, "
+            f"got {tuple(q.shape)}"
+        )
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+
+
+def store_kv(
+    module: ModuleType, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slots: Tensor
+) -> None:
+    """Write k, v [T, kv_heads, dim] at ``slots`` [T] int64 into CPU-layout caches."""
+    _check_caches(k.reshape(k.shape[0], -1, k.shape[-1]), k_cache, v_cache)
+    if k.shape != v.shape or k.shape[1:] != (k_cache.shape[1], k_cache.shape[2]):
+        raise ValueError(
+            f"k, v must be [tokens, kv_heads, dim] like the cache, got {tuple(k.shape)}"
+        )
+    if slots.dtype != torch.int64 or slots.shape != (k.shape[0],):
+        raise ValueError(
+            f"slots must be int64 [{k.shape[0]}], got {slots.dtype} {tuple(slots.shape)}"
+        )
+    module.store_kv(k_cache, v_cache, k.contiguous(), v.contiguous(), slots.contiguous())
+
+
+def attention(
+    module: ModuleType,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    work: AttentionItems,
+    scale: float,
+    split_keys: int = SPLIT_KEYS,
+) -> Tensor:
+    """Every row's attention over its own K/V and its shared segments, merged:
+    q [T, heads, dim] -> out [T, heads, dim] in q's dtype (rows with no key get 0)."""
+    _check_caches(q, k_cache, v_cache)
+    return module.paged_attention(
+        q.contiguous(), k_cache, v_cache, work.tables, work.items, work.item_rows,
+        reference.check_scale(scale), split_keys,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------ self-check
+
+_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+
+
+def _mismatch(name: str, actual: Tensor, expected: Tensor, dtype: torch.dtype) -> str | None:
+    tolerance = _TOLERANCE[dtype]
+    actual, expected = actual.float(), expected.float()
+    if actual.shape != expected.shape:
+        return f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if not torch.isfinite(actual).all():
+        return f"{name}: non-finite output"
+    error = (actual - expected).abs().max().item() if actual.numel() else 0.0
+    bound = tolerance * (1.0 + expected.abs().max().item() if expected.numel() else 1.0)
+    if error > bound:
+        return f"{name}: max error {error:.3g} > {bound:.3g}"
+    return None
+
+
+def _check_linear(module: ModuleType, dtype: torch.dtype, generator: torch.Generator):
+    for rows, out_features, in_features in ((1, 40, 24), (11, 48, 72), (20, 7, 5)):
+        x = torch.randn(rows, in_features, generator=generator).to(dtype)
+        weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+        bias = torch.randn(out_features, generator=generator).to(dtype)
+        for b in (None, bias):
+            out = packed_linear(module, x, pack_linear_weight(weight), b, out_features)
+            expected = torch.nn.functional.linear(
+                x.float(), weight.float(), None if b is None else b.float()
+            )
+            reason = _mismatch(f"packed_linear {rows}x{in_features}->{out_features}", out,
+                               expected, dtype)  # fmt: skip
+            if reason:
+                return reason
+    return None
+
+
+def _check_attention(
+    module: ModuleType, dtype: torch.dtype, block_size: int, generator: torch.Generator
+) -> str | None:
+    """One mixed step: a prefill chunk, a decode row and a 4-row chunk, two chain levels;
+    spare slots hold NaN so a stray read shows."""
+    heads, kv_heads, dim = 6, 2, 24
+    num_blocks = 64
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+
+    def take(tokens: int) -> list[int]:
+        return [order.pop() for _ in range(-(-tokens // block_size))]
+
+    own_lens, own_rows = [19, 6, 9], [19, 1, 4]
+    tables = [take(n) for n in own_lens]
+    starts = [0, 19, 20, 24]
+    level1, level2 = take(37), [take(3), take(20)]
+    k_ref = torch.full((num_blocks, block_size, kv_heads, dim), float("nan"))
+    v_ref = torch.full_like(k_ref, float("nan"))
+    k_ref, v_ref = k_ref.to(dtype), v_ref.to(dtype)
+    written = [(t, n) for t, n in zip(tables, own_lens)] + [(level1, 37)]
+    written += [(level2[0], 3), (level2[1], 20)]
+    new_slots = []
+    for table, tokens in written:
+        for i in range(tokens):
+            slot = (table[i // block_size], i % block_size)
+            k_ref[slot] = torch.randn(kv_heads, dim, generator=generator).to(dtype)
+            v_ref[slot] = torch.randn(kv_heads, dim, generator=generator).to(dtype)
+    for table, tokens, rows in zip(tables, own_lens, own_rows):  # this step's own tokens
+        new_slots += [table[i // block_size] * block_size + i % block_size
+                      for i in range(tokens - rows, tokens)]  # fmt: skip
+    q = torch.randn(starts[-1], heads, dim, generator=generator).to(dtype)
+    shape = {"block_size": block_size, "num_blocks": num_blocks}
+    own = reference.own_batch(starts, tables, own_lens, **shape)
+    prefixes = [
+        reference.prefix_batch([list(range(24))], [level1], [37], num_rows=24, **shape),
+        reference.prefix_batch(
+            [[19], list(range(20, 24))], level2, [3, 20], num_rows=24, **shape
+        ),  # fmt: skip
+    ]
+    scale = dim**-0.5
+    parts = [reference.own_attention(q, k_ref, v_ref, own, scale)]
+    parts += [reference.prefix_attention(q, k_ref, v_ref, p, scale) for p in prefixes]
+    expected = reference.merge_attention_states(parts).out
+    # store: this step's K/V go through store_kv into a cache that lacks them
+    slots = torch.tensor(new_slots, dtype=torch.int64)
+    k_new = k_ref.view(-1, kv_heads, dim)[slots].clone()
+    v_new = v_ref.view(-1, kv_heads, dim)[slots].clone()
+    k_missing, v_missing = k_ref.clone(), v_ref.clone()
+    k_missing.view(-1, kv_heads, dim)[slots] = 0
+    v_missing.view(-1, kv_heads, dim)[slots] = 0
+    k_cpu, v_cpu = to_cpu_layout(k_missing, v_missing)
+    store_kv(module, k_cpu, v_cpu, k_new, v_new, slots)
+    k_back, v_back = from_cpu_layout(k_cpu, v_cpu)
+    if not (torch.equal(k_back.nan_to_num(), k_ref.nan_to_num())
+            and torch.equal(v_back.nan_to_num(), v_ref.nan_to_num())):  # fmt: skip
+        return f"store_kv (block_size {block_size}): the cache differs from the reference's"
+    work = attention_items(own, prefixes)
+    for split in (SPLIT_KEYS, 5):
+        out = attention(module, q, k_cpu, v_cpu, work, scale, split_keys=split)
+        reason = _mismatch(f"paged_attention (block_size {block_size}, split {split})", out,
+                           expected, dtype)  # fmt: skip
+        if reason:
+            return reason
+    return None
+
+
+def self_check(module: ModuleType) -> str | None:
+    """Run every operation on small seeded cases against the torch reference, fp32 and
+    bf16; None when all agree, else a one-line reason naming the first that did not."""
+    generator = torch.Generator().manual_seed(20261203)
+    for dtype in CPU_DTYPES:
+        reason = _check_linear(module, dtype, generator)
+        for block_size in (16, 5, 32):
+            reason = reason or _check_attention(module, dtype, block_size, generator)
+        if reason:
+            return f"{reason} ({str(dtype).removeprefix('torch.')})"
+    return None
