@@ -311,11 +311,21 @@ class AttentionStep:
     def __call__(
         self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float
     ) -> Tensor:
+        self.store(k, v, k_cache, v_cache)
+        return self.attend(q, k_cache, v_cache, scale)
+
+    def store(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
+        """Write this step's k, v [T, kv_heads, dim] at ``slot_mapping``."""
         if self.implementation == "cpp":
             cpu_ops.store_kv(self.module, k_cache, v_cache, k, v, self.slot_mapping)
+        else:
+            self.module.store_kv(k_cache, v_cache, k, v, self.slot_mapping)
+
+    def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float) -> Tensor:
+        """Each row's attention over its own K/V and its segments, merged (K/V stored)."""
+        if self.implementation == "cpp":
             return cpu_ops.attention(self.module, q, k_cache, v_cache, self.work, scale)
         module = self.module
-        module.store_kv(k_cache, v_cache, k, v, self.slot_mapping)
         parts = [module.own_attention(q, k_cache, v_cache, self.own, scale)]
         for batch in self.prefixes:
             parts.append(module.prefix_attention(q, k_cache, v_cache, batch, scale))

@@ -32,7 +32,20 @@
 namespace {
 
 constexpr int LANES = 16;  // one 512-bit vector of fp32
-constexpr int TILE_QUERIES = 8;  // query vectors (or linear rows) sharing one weight/key load
+// Rows of x (linear) or query vectors (attention) sharing one weight or key load: their
+// accumulators must fit the vector registers (32 with AVX-512; 16 with AVX2, where a
+// 16-lane vector takes two). 16 rows a tile measured slower than 8 with AVX-512.
+#if defined(__AVX512F__)
+constexpr int LINEAR_TILE = 8;
+constexpr int TILE_QUERIES = 8;
+#else
+constexpr int LINEAR_TILE = 4;
+constexpr int TILE_QUERIES = 4;
+#endif
+// case n: for n = 1..16, as a statement list (dispatch to a template of a tile size)
+#define FOR_TILE_SIZES(CASE) \
+  CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) \
+  CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 using bf16_bits = uint16_t;
@@ -124,15 +137,13 @@ template <typename W, typename T>
 void linear_rows(int rows, const float* x, int64_t K, const W* w, const float* bias,
                  int64_t n0, int width, T* out, int64_t N) {
   switch (rows) {
-    case 8: linear_block<8>(x, K, w, bias, n0, width, out, N); break;
-    case 7: linear_block<7>(x, K, w, bias, n0, width, out, N); break;
-    case 6: linear_block<6>(x, K, w, bias, n0, width, out, N); break;
-    case 5: linear_block<5>(x, K, w, bias, n0, width, out, N); break;
-    case 4: linear_block<4>(x, K, w, bias, n0, width, out, N); break;
-    case 3: linear_block<3>(x, K, w, bias, n0, width, out, N); break;
-    case 2: linear_block<2>(x, K, w, bias, n0, width, out, N); break;
-    case 1: linear_block<1>(x, K, w, bias, n0, width, out, N); break;
-    default: TORCH_CHECK(false, "linear_rows: rows must be 1..8");
+#define LINEAR_CASE(n)                                                    \
+  case n:                                                                 \
+    if constexpr (n <= LINEAR_TILE) linear_block<n>(x, K, w, bias, n0, width, out, N); \
+    break;
+    FOR_TILE_SIZES(LINEAR_CASE)
+#undef LINEAR_CASE
+    default: TORCH_CHECK(false, "linear_rows: rows must be 1..", LINEAR_TILE);
   }
 }
 
@@ -149,8 +160,8 @@ void packed_linear_impl(const float* x, int64_t M, int64_t K, const T* packed, i
       const T* w = packed + block * K * LANES;
       const int64_t n0 = block * LANES;
       const int width = static_cast<int>(std::min<int64_t>(LANES, N - n0));
-      for (int64_t m0 = 0; m0 < M; m0 += TILE_QUERIES) {
-        const int rows = static_cast<int>(std::min<int64_t>(TILE_QUERIES, M - m0));
+      for (int64_t m0 = 0; m0 < M; m0 += LINEAR_TILE) {
+        const int rows = static_cast<int>(std::min<int64_t>(LINEAR_TILE, M - m0));
         linear_rows(rows, x + m0 * K, K, w, bias, n0, width, out + m0 * N, N);
       }
     }
@@ -273,15 +284,13 @@ template <typename T>
 void score_rows(int n, const float* q, int64_t dim, const T* kt, int64_t stride, float* scores,
                 int64_t score_stride) {
   switch (n) {
-    case 8: score_tile<8>(q, dim, kt, stride, scores, score_stride); break;
-    case 7: score_tile<7>(q, dim, kt, stride, scores, score_stride); break;
-    case 6: score_tile<6>(q, dim, kt, stride, scores, score_stride); break;
-    case 5: score_tile<5>(q, dim, kt, stride, scores, score_stride); break;
-    case 4: score_tile<4>(q, dim, kt, stride, scores, score_stride); break;
-    case 3: score_tile<3>(q, dim, kt, stride, scores, score_stride); break;
-    case 2: score_tile<2>(q, dim, kt, stride, scores, score_stride); break;
-    case 1: score_tile<1>(q, dim, kt, stride, scores, score_stride); break;
-    default: TORCH_CHECK(false, "score_rows: 1..8 query vectors");
+#define SCORE_CASE(c)                                                                \
+  case c:                                                                            \
+    if constexpr (c <= TILE_QUERIES) score_tile<c>(q, dim, kt, stride, scores, score_stride); \
+    break;
+    FOR_TILE_SIZES(SCORE_CASE)
+#undef SCORE_CASE
+    default: TORCH_CHECK(false, "score_rows: 1..", TILE_QUERIES, " query vectors");
   }
 }
 
@@ -315,15 +324,14 @@ template <typename T>
 void value_rows(int n, const float* weights, int64_t weight_stride, const float* correction,
                 const T* v, int64_t dim, int keys, float* acc) {
   switch (n) {
-    case 8: value_tile<8>(weights, weight_stride, correction, v, dim, keys, acc); break;
-    case 7: value_tile<7>(weights, weight_stride, correction, v, dim, keys, acc); break;
-    case 6: value_tile<6>(weights, weight_stride, correction, v, dim, keys, acc); break;
-    case 5: value_tile<5>(weights, weight_stride, correction, v, dim, keys, acc); break;
-    case 4: value_tile<4>(weights, weight_stride, correction, v, dim, keys, acc); break;
-    case 3: value_tile<3>(weights, weight_stride, correction, v, dim, keys, acc); break;
-    case 2: value_tile<2>(weights, weight_stride, correction, v, dim, keys, acc); break;
-    case 1: value_tile<1>(weights, weight_stride, correction, v, dim, keys, acc); break;
-    default: TORCH_CHECK(false, "value_rows: 1..8 query vectors");
+#define VALUE_CASE(c)                                                                    \
+  case c:                                                                                \
+    if constexpr (c <= TILE_QUERIES)                                                     \
+      value_tile<c>(weights, weight_stride, correction, v, dim, keys, acc);              \
+    break;
+    FOR_TILE_SIZES(VALUE_CASE)
+#undef VALUE_CASE
+    default: TORCH_CHECK(false, "value_rows: 1..", TILE_QUERIES, " query vectors");
   }
 }
 

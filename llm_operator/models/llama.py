@@ -280,14 +280,22 @@ class LlamaModel(nn.Module):
         model.generation_config = load_generation_config(model_dir)
         return model.to(device=device).eval().requires_grad_(False)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, attention: AttentionFn) -> Tensor:
-        """input_ids, positions: [T] int64 -> final-normed hidden states [T, hidden_size]."""
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        attention: AttentionFn,
+        ops: FusedOps | None = None,
+    ) -> Tensor:
+        """input_ids, positions: [T] int64 -> final-normed hidden states [T, hidden_size].
+        ``ops``: the elementwise regions (default ``fused.fused_ops`` for the device/dtype)."""
         assert input_ids.shape == positions.shape and input_ids.dim() == 1, (
             f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [T]"
         )
         hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
         cos, sin = self.rotary(positions, hidden.dtype)  # [T, head_dim] each
-        ops = fused.fused_ops(hidden.device, hidden.dtype)  # compiled or eager regions
+        if ops is None:
+            ops = fused.fused_ops(hidden.device, hidden.dtype)  # compiled or eager regions
         delta = None  # the last layer's MLP output, added inside the next norm
         for layer in self.layers:
             hidden, delta = layer(hidden, delta, cos, sin, attention, ops)

@@ -19,10 +19,12 @@ import torch
 
 from llm_operator import kernels
 from llm_operator.engine.native.block_manager import BlockManager
+from llm_operator.engine.native.op_profile import OpProfile, TimedOps, profiling_requested
 from llm_operator.engine.native.scheduler import ScheduledChunk, Scheduler
 from llm_operator.engine.run import Run
+from llm_operator.models import fused
 from llm_operator.models.gemm import DEFAULT_GEMM
-from llm_operator.models.llama import LlamaModel
+from llm_operator.models.llama import Linear, LlamaModel
 from llm_operator.options import BY_NAME
 from llm_operator.planner import Plan, build_plan
 
@@ -60,6 +62,11 @@ class NativeBackend:
         self._pool: tuple[str, int, list, list] | None = None
         if self.device.type == "cpu":  # pack the weights, time each linear shape's GEMMs once
             DEFAULT_GEMM.tune(model.pack_weights(), max_rows=self.max_batched_tokens)
+        # LLM_OPERATOR_PROFILE_OPS: each iteration's seconds by kind of work (op_profile.py)
+        self.op_profile: OpProfile | None = None
+        if profiling_requested():
+            self.op_profile = OpProfile()
+            self.op_profile.watch_linears(model, Linear)
 
     # -- memory ------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -175,8 +182,19 @@ class NativeBackend:
         )
         scale = self.config.scale
 
-        def attention(layer: int, q, k, v):
-            return step(q, k, v, self.k_cache[layer], self.v_cache[layer], scale)
+        if self.op_profile is None:
+
+            def attention(layer: int, q, k, v):
+                return step(q, k, v, self.k_cache[layer], self.v_cache[layer], scale)
+
+        else:
+            store = self.op_profile.timed("kv_store", step.store)
+            attend = self.op_profile.timed("attention", step.attend)
+
+            def attention(layer: int, q, k, v):
+                k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+                store(k, v, k_cache, v_cache)
+                return attend(q, k_cache, v_cache, scale)
 
         return {
             "input_ids": torch.tensor(input_ids, dtype=torch.int64, device=device),
@@ -212,22 +230,30 @@ class _NativeSteps:
         scheduler, run, backend = self.scheduler, self.run, self.backend
         if scheduler.done:
             return False
-        profile = backend.last_profile
+        profile, ops = backend.last_profile, backend.op_profile
+        model, sample = backend.model, run.sample
+        compute_logits = model.compute_logits
+        regions = None
+        if ops is not None:
+            ops.begin()
+            compute_logits = ops.timed("linear", compute_logits)
+            sample = ops.timed("sampling", sample)
+            regions = TimedOps(fused.fused_ops(backend.device, backend.dtype), ops)
         started = step_started = time.perf_counter()
         chunks = scheduler.schedule()
         batch = backend._batch(chunks, scheduler)
         profile["schedule"] += time.perf_counter() - started
         started = time.perf_counter()
-        hidden = backend.model(batch["input_ids"], batch["positions"], batch["attention"])
+        hidden = model(batch["input_ids"], batch["positions"], batch["attention"], regions)
         sampled = [c for c in chunks if c.sample]
         if sampled:
-            logits = backend.model.compute_logits(hidden[batch["last_rows"]])
+            logits = compute_logits(hidden[batch["last_rows"]])
         profile["forward"] += time.perf_counter() - started
         started = time.perf_counter()
         scheduler.complete(chunks)
         if sampled:
             ids = [c.seq.ref for c in sampled]
-            for chunk, request_id, token in zip(sampled, ids, run.sample(logits, ids)):
+            for chunk, request_id, token in zip(sampled, ids, sample(logits, ids)):
                 if run.append(request_id, token):
                     scheduler.finish(chunk.seq)
                 else:
@@ -239,9 +265,10 @@ class _NativeSteps:
         profile["sample"] += time.perf_counter() - started
         profile["iterations"] += 1
         # (tokens, rows sampled, seconds) of this iteration: decode-only when they are equal
-        profile["steps"].append(
-            (int(batch["input_ids"].shape[0]), len(sampled), time.perf_counter() - step_started)
-        )
+        seconds = time.perf_counter() - step_started
+        profile["steps"].append((int(batch["input_ids"].shape[0]), len(sampled), seconds))
+        if ops is not None:
+            profile.setdefault("ops", []).append(ops.end(seconds))
         return True
 
     def close(self) -> None:
