@@ -292,6 +292,7 @@ class AttentionStep:
             )
         self.implementation = implementation
         self.own, self.prefixes, self.slot_mapping = own, list(prefixes), slot_mapping
+        self.split_keys = cpu_ops.SPLIT_KEYS
         self.module = None
         if implementation == "cpp":
             self.module = cpu_extension.loaded()
@@ -324,7 +325,9 @@ class AttentionStep:
     def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float) -> Tensor:
         """Each row's attention over its own K/V and its segments, merged (K/V stored)."""
         if self.implementation == "cpp":
-            return cpu_ops.attention(self.module, q, k_cache, v_cache, self.work, scale)
+            return cpu_ops.attention(
+                self.module, q, k_cache, v_cache, self.work, scale, self.split_keys
+            )
         module = self.module
         parts = [module.own_attention(q, k_cache, v_cache, self.own, scale)]
         for batch in self.prefixes:

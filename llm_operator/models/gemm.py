@@ -132,6 +132,24 @@ class GemmChoice:
                 )
         return self._run(name, x, weight, bias, packed, kernel)
 
+    def prefers_packed(
+        self, rows: int, weight: Tensor, packed: Tensor | None, bias: bool
+    ) -> bool | None:
+        """Whether ``__call__`` would take the packed kernel for ``rows`` rows of this
+        weight (with a bias or not): True or False, or None while that shape is unmeasured."""
+        if packed is None or packed.dtype != weight.dtype or _packed_kernel() is None:
+            return False
+        forced = forced_choice()
+        if forced != "auto":
+            return forced == "packed"
+        out_features, in_features = weight.shape
+        if rows * out_features * in_features < MIN_TIMED_MACS:
+            return True
+        name = self.choices.get(
+            (weight.dtype, rows.bit_length(), out_features, in_features, bias, True)
+        )
+        return None if name is None else name == "packed"
+
     def _run(self, name: str, x, weight, bias, packed, kernel) -> Tensor:
         """Candidate ``name``; aten's where that one is not available for this call."""
         if name == "packed" and kernel is not None:

@@ -317,14 +317,14 @@ class LlamaModel(nn.Module):
     def pack_weights(self) -> list[tuple[Tensor, Tensor | None]]:
         """Pack every projection and the LM head for the compiled CPU GEMM
         (``gemm.pack_weight``; None where it cannot run: not on the CPU, another dtype,
-        kernels not loaded). Returns the (weight, packed) pairs, for ``GemmChoice.tune``."""
+        kernels not loaded). Returns the projections' (weight, packed) pairs, for
+        ``GemmChoice.tune``; the head's is (``head_weight``, ``head_packed``)."""
         pairs = []
         for module in self.modules():
             if isinstance(module, Linear):
                 module.packed = pack_weight(module.weight)
                 pairs.append((module.weight, module.packed))
         self.head_packed = pack_weight(self.head_weight)
-        pairs.append((self.head_weight, self.head_packed))
         return pairs
 
 

@@ -23,6 +23,7 @@ from llm_operator.engine.native.op_profile import OpProfile, TimedOps, profiling
 from llm_operator.engine.native.scheduler import ScheduledChunk, Scheduler
 from llm_operator.engine.run import Run
 from llm_operator.models import fused
+from llm_operator.models.cpu_decoder import TIMED_KINDS, CompiledDecoder
 from llm_operator.models.gemm import DEFAULT_GEMM
 from llm_operator.models.llama import Linear, LlamaModel
 from llm_operator.options import BY_NAME
@@ -60,8 +61,14 @@ class NativeBackend:
         self.last_profile: dict[str, Any] = {}
         # (implementation, num_blocks, k caches, v caches): the KV pool, kept across runs
         self._pool: tuple[str, int, list, list] | None = None
+        self.decoder: CompiledDecoder | None = None
         if self.device.type == "cpu":  # pack the weights, time each linear shape's GEMMs once
             DEFAULT_GEMM.tune(model.pack_weights(), max_rows=self.max_batched_tokens)
+            # the head runs on the sampled rows only: at most one per running request
+            max_running = scheduling.get("max_running", BY_NAME["max_batch_size"].default)
+            max_sampled = min(self.max_batched_tokens, max_running)
+            DEFAULT_GEMM.tune([(model.head_weight, model.head_packed)], max_rows=max_sampled)
+            self.decoder = CompiledDecoder(model)
         # LLM_OPERATOR_PROFILE_OPS: each iteration's seconds by kind of work (op_profile.py)
         self.op_profile: OpProfile | None = None
         if profiling_requested():
@@ -200,6 +207,7 @@ class NativeBackend:
             "input_ids": torch.tensor(input_ids, dtype=torch.int64, device=device),
             "positions": torch.tensor(positions, dtype=torch.int64, device=device),
             "attention": attention,
+            "step": step,
             "last_rows": torch.tensor(last_rows, dtype=torch.int64, device=device),
         }
 
@@ -244,7 +252,18 @@ class _NativeSteps:
         batch = backend._batch(chunks, scheduler)
         profile["schedule"] += time.perf_counter() - started
         started = time.perf_counter()
-        hidden = model(batch["input_ids"], batch["positions"], batch["attention"], regions)
+        decoder, tokens = backend.decoder, len(batch["input_ids"])
+        if decoder is not None and decoder.runs(tokens, batch["step"]):
+            seconds = None if ops is None else torch.zeros(len(TIMED_KINDS), dtype=torch.float64)
+            hidden = decoder(
+                batch["input_ids"], batch["positions"], batch["step"], backend.k_cache,
+                backend.v_cache, seconds,
+            )  # fmt: skip
+            if ops is not None:
+                for kind, value in zip(TIMED_KINDS, seconds.tolist()):
+                    ops.add(kind, value)
+        else:
+            hidden = model(batch["input_ids"], batch["positions"], batch["attention"], regions)
         sampled = [c for c in chunks if c.sample]
         if sampled:
             logits = compute_logits(hidden[batch["last_rows"]])
