@@ -12,15 +12,20 @@
 //                    log-sum-exp in the same call (BatchLLM's shared-prefix attention).
 //
 // CPU cache layout (one layer; a token's slot is block * block_size + offset):
-//   k_cache [num_blocks, num_kv_heads, head_dim, block_size]   K transposed per block, so
+//   k_cache [num_kv_heads, num_blocks, head_dim, block_size]   K transposed per block, so
 //           16 keys of one dimension are one vector (scores for 16 keys = FMAs, no shuffles)
-//   v_cache [num_blocks, num_kv_heads, block_size, head_dim]
+//   v_cache [num_kv_heads, num_blocks, block_size, head_dim]
+// KV head first: one head's consecutive blocks are one contiguous stream, which the
+// hardware prefetchers follow (blocks interleaved by head were read at a third the speed).
 //
 // Plain C++ loops over 16 lanes with `omp simd`: the compiler (-O3 -march=native) turns them
 // into AVX-512 or AVX2 code. Floats are fp32 or bf16 (raw uint16 bits); arithmetic is fp32.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -200,21 +205,148 @@ void packed_linear_impl(const float* x, int64_t M, int64_t K, const T* packed, i
   });
 }
 
+// bf16 weights on CPUs with AVX512-BF16: packed as pairs of consecutive k,
+// [blocks][ceil(K / 2)][16][2], so one VDPBF16PS multiplies 16 columns by two k at once
+// (twice the work of an fp32 FMA per instruction; fp32 accumulation). Elsewhere bf16
+// weights keep the [blocks][K][16] layout and are widened to fp32 as they load.
+#if defined(__AVX512BF16__)
+constexpr bool BF16_PAIRS = true;
+
+// out[m][n0 + j] = sum_k x[m][k] * w[k][j] (+ bias) for M rows of bf16 pairs x [M][K2]
+template <int M>
+inline void linear_block_pairs(const uint32_t* __restrict x, int64_t pairs,
+                               const uint32_t* __restrict w, const float* bias, int64_t n0,
+                               int width, bf16_bits* __restrict out, int64_t N, bool prefetch) {
+  __m512 sums[M];
+  for (int m = 0; m < M; ++m) sums[m] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    if (prefetch) __builtin_prefetch(reinterpret_cast<const char*>(w + p * LANES) + PREFETCH_BYTES);
+    const __m512bh weights = (__m512bh)_mm512_loadu_si512(w + p * LANES);
+    for (int m = 0; m < M; ++m)
+      sums[m] = _mm512_dpbf16_ps(sums[m], (__m512bh)_mm512_set1_epi32(x[m * pairs + p]), weights);
+  }
+  for (int m = 0; m < M; ++m) {
+    float row[LANES];
+    _mm512_storeu_ps(row, sums[m]);
+    bf16_bits* dst = out + m * N + n0;
+    for (int j = 0; j < width; ++j) store_float(dst + j, bias ? row[j] + bias[n0 + j] : row[j]);
+  }
+}
+
+void linear_rows_pairs(int rows, const uint32_t* x, int64_t pairs, const uint32_t* w,
+                       const float* bias, int64_t n0, int width, bf16_bits* out, int64_t N,
+                       bool prefetch) {
+  switch (rows) {
+#define PAIRS_CASE(n)                                                                    \
+  case n:                                                                                \
+    if constexpr (n <= LINEAR_TILE)                                                      \
+      linear_block_pairs<n>(x, pairs, w, bias, n0, width, out, N, prefetch);             \
+    break;
+    FOR_TILE_SIZES(PAIRS_CASE)
+#undef PAIRS_CASE
+    default: TORCH_CHECK(false, "linear_rows_pairs: rows must be 1..", LINEAR_TILE);
+  }
+}
+
+void packed_linear_pairs(const uint32_t* x, int64_t M, int64_t pairs, const uint32_t* packed,
+                         int64_t blocks, const float* bias, bf16_bits* out, int64_t N) {
+  const int64_t block_bytes = pairs * LANES * 4;
+  const int64_t grain =
+      std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, block_bytes * M));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+      const uint32_t* w = packed + block * pairs * LANES;
+      const int64_t n0 = block * LANES;
+      const int width = static_cast<int>(std::min<int64_t>(LANES, N - n0));
+      for (int64_t m0 = 0; m0 < M; m0 += LINEAR_TILE) {
+        const int rows = static_cast<int>(std::min<int64_t>(LINEAR_TILE, M - m0));
+        linear_rows_pairs(rows, x + m0 * pairs, pairs, w, bias, n0, width, out + m0 * N, N,
+                          m0 == 0 && M >= TILE_QUERIES);
+      }
+    }
+  });
+}
+#else
+constexpr bool BF16_PAIRS = false;
+#endif
+
+// W [N, K] in the layout packed_linear reads (see above): [ceil(N / 16), K, 16], or for
+// bf16 with AVX512-BF16 [ceil(N / 16), ceil(K / 2), 16, 2]; zero-padded.
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "pack_linear_weight: weight must be [out, in]");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
+              "pack_linear_weight: float32 or bfloat16 only");
+  const int64_t N = weight.size(0), K = weight.size(1), blocks = (N + LANES - 1) / LANES;
+  if (weight.scalar_type() == at::kBFloat16 && BF16_PAIRS) {
+    const int64_t pairs = (K + 1) / 2;
+    at::Tensor padded = at::zeros({blocks * LANES, pairs * 2}, weight.options());
+    padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
+    // [blocks, 16, pairs, 2] -> [blocks, pairs, 16, 2]
+    return padded.view({blocks, LANES, pairs, 2}).permute({0, 2, 1, 3}).contiguous();
+  }
+  at::Tensor padded = at::zeros({blocks * LANES, K}, weight.options());
+  padded.narrow(0, 0, N).copy_(weight);
+  return padded.view({blocks, LANES, K}).transpose(1, 2).contiguous();
+}
+
+bool is_pairs(const at::Tensor& packed) { return packed.dim() == 4; }
+
+// y [M, N] = x [M, K] @ W^T (+ bias) for x in the model dtype T and W packed; scratch
+// buffers are reused across calls.
+template <typename T>
+void run_linear(const T* x, int64_t M, int64_t K, const at::Tensor& packed, const float* bias,
+                T* out, int64_t N, std::vector<float>& x32, std::vector<uint32_t>& x_pairs) {
+  if (M == 0) return;
+  if constexpr (std::is_same_v<T, bf16_bits>) {
+#if defined(__AVX512BF16__)
+    if (is_pairs(packed)) {
+      const int64_t pairs = packed.size(1);
+      const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);
+      if (K % 2) {  // pad each row with a zero to whole pairs
+        x_pairs.assign(M * pairs, 0);
+        for (int64_t m = 0; m < M; ++m)
+          std::memcpy(x_pairs.data() + m * pairs, x + m * K, K * sizeof(bf16_bits));
+        xp = x_pairs.data();
+      }
+      packed_linear_pairs(xp, M, pairs, reinterpret_cast<const uint32_t*>(packed.data_ptr()),
+                          packed.size(0), bias, out, N);
+      return;
+    }
+#endif
+  }
+  TORCH_CHECK(!is_pairs(packed), "packed_linear: this build reads no bf16 pair layout");
+  const float* x_float;
+  if constexpr (std::is_same_v<T, float>) {
+    x_float = x;
+  } else {
+    x32.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) x32[i] = load_float(x + i);
+    x_float = x32.data();
+  }
+  packed_linear_impl<T>(x_float, M, K, reinterpret_cast<const T*>(packed.data_ptr()),
+                        packed.size(0), bias, out, N);
+}
+
+int64_t packed_in_features(const at::Tensor& packed) {
+  return is_pairs(packed) ? packed.size(1) * 2 : packed.size(1);
+}
+
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
                          const c10::optional<at::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "packed_linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2, "packed_linear: x must be [rows, in_features], got ", x.sizes());
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == LANES,
-              "packed_linear: packed must be [blocks, in_features, 16], got ", packed.sizes());
-  TORCH_CHECK(packed.is_contiguous(), "packed_linear: packed must be contiguous");
+  TORCH_CHECK(((packed.dim() == 3 && packed.size(2) == LANES) ||
+               (packed.dim() == 4 && packed.size(2) == LANES && packed.size(3) == 2)) &&
+                  packed.is_contiguous(),
+              "packed_linear: packed must come from pack_linear_weight, got ", packed.sizes());
   TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "packed_linear: x is ", x.scalar_type(),
               " but packed is ", packed.scalar_type());
   const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
-  TORCH_CHECK(packed.size(1) == K, "packed_linear: x has ", K, " features, packed ",
-              packed.size(1));
+  TORCH_CHECK(is_pairs(packed) ? (K + 1) / 2 == packed.size(1) : K == packed.size(1),
+              "packed_linear: x has ", K, " features, packed ", packed_in_features(packed));
   TORCH_CHECK(out_features > (blocks - 1) * LANES && out_features <= blocks * LANES,
               "packed_linear: out_features ", out_features, " does not fit ", blocks, " blocks");
-  at::Tensor x32 = x.to(at::kFloat).contiguous();
+  at::Tensor xc = x.contiguous();
   at::Tensor bias32;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features,
@@ -222,18 +354,18 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
     bias32 = bias->to(at::kFloat).contiguous();
   }
   at::Tensor out = at::empty({M, out_features}, x.options());
-  if (M == 0) return out;
   const float* bias_ptr = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+  std::vector<float> x32;
+  std::vector<uint32_t> x_pairs;
   if (x.scalar_type() == at::kFloat) {
-    packed_linear_impl<float>(x32.data_ptr<float>(), M, K, packed.data_ptr<float>(), blocks,
-                              bias_ptr, out.data_ptr<float>(), out_features);
+    run_linear<float>(xc.data_ptr<float>(), M, K, packed, bias_ptr, out.data_ptr<float>(),
+                      out_features, x32, x_pairs);
   } else {
     TORCH_CHECK(x.scalar_type() == at::kBFloat16, "packed_linear: float32 or bfloat16, got ",
                 x.scalar_type());
-    packed_linear_impl<bf16_bits>(x32.data_ptr<float>(), M, K,
-                                  reinterpret_cast<const bf16_bits*>(packed.data_ptr()), blocks,
-                                  bias_ptr, reinterpret_cast<bf16_bits*>(out.data_ptr()),
-                                  out_features);
+    run_linear<bf16_bits>(reinterpret_cast<const bf16_bits*>(xc.data_ptr()), M, K, packed,
+                          bias_ptr, reinterpret_cast<bf16_bits*>(out.data_ptr()), out_features,
+                          x32, x_pairs);
   }
   return out;
 }
@@ -242,14 +374,15 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
 
 template <typename T>
 void store_kv_impl(T* k_cache, T* v_cache, const T* k, const T* v, const int64_t* slots,
-                   int64_t tokens, int64_t kv_heads, int64_t dim, int64_t block_size) {
+                   int64_t tokens, int64_t kv_heads, int64_t num_blocks, int64_t dim,
+                   int64_t block_size) {
   for (int64_t t = 0; t < tokens; ++t) {
     const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
     for (int64_t g = 0; g < kv_heads; ++g) {
       const T* k_row = k + (t * kv_heads + g) * dim;
       const T* v_row = v + (t * kv_heads + g) * dim;
-      T* k_block = k_cache + (block * kv_heads + g) * dim * block_size + offset;
-      T* v_block = v_cache + ((block * kv_heads + g) * block_size + offset) * dim;
+      T* k_block = k_cache + (g * num_blocks + block) * dim * block_size + offset;
+      T* v_block = v_cache + ((g * num_blocks + block) * block_size + offset) * dim;
       for (int64_t d = 0; d < dim; ++d) k_block[d * block_size] = k_row[d];
       std::memcpy(v_block, v_row, dim * sizeof(T));
     }
@@ -262,20 +395,21 @@ void store_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, con
                   v.is_contiguous() && slot_mapping.is_contiguous(),
               "store_kv: contiguous tensors only");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "store_kv: slot_mapping must be int64");
-  const int64_t kv_heads = k_cache.size(1), dim = k_cache.size(2), block_size = k_cache.size(3);
+  const int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1);
+  const int64_t dim = k_cache.size(2), block_size = k_cache.size(3);
   const int64_t tokens = k.size(0);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   if (k_cache.scalar_type() == at::kFloat) {
     store_kv_impl<float>(k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                         k.data_ptr<float>(), v.data_ptr<float>(), slots, tokens, kv_heads, dim,
-                         block_size);
+                         k.data_ptr<float>(), v.data_ptr<float>(), slots, tokens, kv_heads,
+                         num_blocks, dim, block_size);
   } else {
     TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16, "store_kv: float32 or bfloat16 only");
     store_kv_impl<bf16_bits>(reinterpret_cast<bf16_bits*>(k_cache.data_ptr()),
                              reinterpret_cast<bf16_bits*>(v_cache.data_ptr()),
                              reinterpret_cast<const bf16_bits*>(k.data_ptr()),
                              reinterpret_cast<const bf16_bits*>(v.data_ptr()), slots, tokens,
-                             kv_heads, dim, block_size);
+                             kv_heads, num_blocks, dim, block_size);
   }
 }
 
@@ -372,7 +506,7 @@ struct AttentionArgs {
   const T* q;  // [tokens, heads, dim]
   const T* k_cache;
   const T* v_cache;
-  int64_t heads, kv_heads, dim, block_size;
+  int64_t heads, kv_heads, num_blocks, dim, block_size;
   float scale;
   const int32_t* items;
   const int32_t* item_rows;
@@ -437,11 +571,11 @@ void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, std::vect
       const int64_t block = table[k / block_size], offset = k % block_size;
       const int width =
           static_cast<int>(std::min<int64_t>({LANES, block_size - offset, visible_end - k}));
-      const T* k_block = a.k_cache + (block * a.kv_heads + u.head) * dim * block_size + offset;
+      const T* k_block = a.k_cache + (u.head * a.num_blocks + block) * dim * block_size + offset;
       SubTile& tile = tiles[count];
       tile.first = k;
       tile.width = width;
-      tile.values = a.v_cache + ((block * a.kv_heads + u.head) * block_size + offset) * dim;
+      tile.values = a.v_cache + ((u.head * a.num_blocks + block) * block_size + offset) * dim;
       // Lanes past the tile's width read later slots of the same block row (stale or unwritten
       // keys, masked out of the softmax); a tile that would leave its block row (blocks of
       // fewer than 16 tokens, or not a multiple of 16) is copied, zero-padded, instead.
@@ -464,9 +598,9 @@ void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, std::vect
       const int64_t block = table[next / block_size], offset = next % block_size;
       const int64_t width = std::min<int64_t>({LANES, block_size - offset, visible_end - next});
       const char* k_bytes = reinterpret_cast<const char*>(
-          a.k_cache + (block * a.kv_heads + u.head) * dim * block_size + offset);
+          a.k_cache + (u.head * a.num_blocks + block) * dim * block_size + offset);
       const char* v_bytes = reinterpret_cast<const char*>(
-          a.v_cache + ((block * a.kv_heads + u.head) * block_size + offset) * dim);
+          a.v_cache + ((u.head * a.num_blocks + block) * block_size + offset) * dim);
       for (int64_t d = 0; d < dim; ++d)
         __builtin_prefetch(k_bytes + d * block_size * sizeof(T));
       for (int64_t line = 0; line < int64_t(width * dim * sizeof(T)); line += 64)
@@ -684,7 +818,8 @@ AttentionArgs<T> attention_args(const StepTensors& step, const T* q, const at::T
   a.k_cache = reinterpret_cast<const T*>(k_cache.data_ptr());
   a.v_cache = reinterpret_cast<const T*>(v_cache.data_ptr());
   a.heads = heads;
-  a.kv_heads = k_cache.size(1);
+  a.kv_heads = k_cache.size(0);
+  a.num_blocks = k_cache.size(1);
   a.dim = k_cache.size(2);
   a.block_size = k_cache.size(3);
   a.scale = static_cast<float>(scale);
@@ -715,10 +850,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(q.size(2) == k_cache.size(2), "paged_attention: q and cache head_dim disagree");
   TORCH_CHECK(split_keys >= 1, "paged_attention: split_keys must be >= 1");
   const int64_t tokens = q.size(0), heads = q.size(1);
-  TORCH_CHECK(heads % k_cache.size(1) == 0, "paged_attention: heads % kv_heads != 0");
+  TORCH_CHECK(heads % k_cache.size(0) == 0, "paged_attention: heads % kv_heads != 0");
   const StepTensors step = step_tensors(tables, items, item_rows);
   const AttentionPlan plan = plan_attention(step.items, step.num_items, step.item_rows, tokens,
-                                            heads, k_cache.size(1), split_keys);
+                                            heads, k_cache.size(0), split_keys);
   at::Tensor out = at::empty_like(q);
   Partials partials;
   if (q.scalar_type() == at::kFloat) {
@@ -854,13 +989,12 @@ at::Tensor decoder_forward_impl(const at::Tensor& embedded, const at::Tensor& co
                                 const std::vector<at::Tensor>& k_caches,
                                 const std::vector<at::Tensor>& v_caches,
                                 const at::Tensor& slot_mapping, const StepTensors& step,
-                                int64_t heads, int64_t kv_heads, double eps, double scale,
-                                int64_t split_keys, double* seconds) {
+                                int64_t heads, int64_t kv_heads, int64_t intermediate,
+                                double eps, double scale, int64_t split_keys, double* seconds) {
   const int64_t tokens = embedded.size(0), hidden_size = embedded.size(1);
   const int64_t dim = k_caches[0].size(2), block_size = k_caches[0].size(3);
   const int64_t num_layers = static_cast<int64_t>(k_caches.size());
   const int64_t qkv_size = (heads + 2 * kv_heads) * dim;
-  const int64_t intermediate = layers[GATE_UP].size(0) * LANES / 2;
   const auto options = embedded.options();
   at::Tensor residual = embedded.clone();
   at::Tensor normed = at::empty({tokens, hidden_size}, options);
@@ -881,11 +1015,10 @@ at::Tensor decoder_forward_impl(const at::Tensor& embedded, const at::Tensor& co
   auto add_time = [&](int kind, std::chrono::steady_clock::time_point since) {
     if (seconds) seconds[kind] += std::chrono::duration<double>(clock() - since).count();
   };
+  std::vector<uint32_t> x_pairs;
   auto linear = [&](const T* x, int64_t in_features, const at::Tensor& packed,
                     const at::Tensor& bias, T* out, int64_t out_features) {
     const auto started = clock();
-    x32.resize(tokens * in_features);
-    for (int64_t i = 0; i < tokens * in_features; ++i) x32[i] = load_float(x + i);
     const float* b = nullptr;
     if (bias.numel()) {
       bias32.resize(out_features);
@@ -893,9 +1026,7 @@ at::Tensor decoder_forward_impl(const at::Tensor& embedded, const at::Tensor& co
       for (int64_t i = 0; i < out_features; ++i) bias32[i] = load_float(raw + i);
       b = bias32.data();
     }
-    packed_linear_impl<T>(x32.data(), tokens, in_features,
-                          reinterpret_cast<const T*>(packed.data_ptr()), packed.size(0), b, out,
-                          out_features);
+    run_linear<T>(x, tokens, in_features, packed, b, out, out_features, x32, x_pairs);
     add_time(LINEAR_SECONDS, started);
   };
   const AttentionPlan plan = plan_attention(step.items, step.num_items, step.item_rows, tokens,
@@ -922,8 +1053,8 @@ at::Tensor decoder_forward_impl(const at::Tensor& embedded, const at::Tensor& co
     store_kv_impl<T>(reinterpret_cast<T*>(k_caches[layer].data_ptr()),
                      reinterpret_cast<T*>(v_caches[layer].data_ptr()),
                      reinterpret_cast<const T*>(k.data_ptr()),
-                     reinterpret_cast<const T*>(v.data_ptr()), slots, tokens, kv_heads, dim,
-                     block_size);
+                     reinterpret_cast<const T*>(v.data_ptr()), slots, tokens, kv_heads,
+                     k_caches[layer].size(1), dim, block_size);
     add_time(KV_STORE_SECONDS, started);
     started = clock();
     auto a = attention_args(step, reinterpret_cast<const T*>(q.data_ptr()), k_caches[layer],
@@ -1031,8 +1162,8 @@ at::Tensor decoder_forward(const at::Tensor& embedded, const at::Tensor& cos,
                            const std::vector<at::Tensor>& v_caches,
                            const at::Tensor& slot_mapping, const std::vector<at::Tensor>& tables,
                            const at::Tensor& items, const at::Tensor& item_rows, int64_t heads,
-                           int64_t kv_heads, double eps, double scale, int64_t split_keys,
-                           at::Tensor& seconds) {
+                           int64_t kv_heads, int64_t intermediate, double eps, double scale,
+                           int64_t split_keys, at::Tensor& seconds) {
   TORCH_CHECK(embedded.dim() == 2 && embedded.is_contiguous(),
               "decoder_forward: embedded must be contiguous [T, hidden]");
   const int64_t num_layers = static_cast<int64_t>(k_caches.size());
@@ -1047,7 +1178,7 @@ at::Tensor decoder_forward(const at::Tensor& embedded, const at::Tensor& cos,
               "decoder_forward: slot_mapping must be int64 [T]");
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     check_caches(embedded.scalar_type(), k_caches[layer], v_caches[layer]);
-    TORCH_CHECK(k_caches[layer].size(1) == kv_heads && heads % kv_heads == 0 &&
+    TORCH_CHECK(k_caches[layer].size(0) == kv_heads && heads % kv_heads == 0 &&
                     cos.size(1) == k_caches[layer].size(2),
                 "decoder_forward: head shapes disagree with the caches");
     for (int i = 0; i < LAYER_TENSORS; ++i) {
@@ -1055,6 +1186,23 @@ at::Tensor decoder_forward(const at::Tensor& embedded, const at::Tensor& cos,
       TORCH_CHECK(!t.numel() || (t.is_contiguous() && t.scalar_type() == embedded.scalar_type()),
                   "decoder_forward: layer ", layer, " tensor ", i,
                   " must be contiguous in the model dtype");
+    }
+  }
+  const int64_t hidden_size = embedded.size(1), dim = cos.size(1);
+  for (int64_t layer = 0; layer < num_layers; ++layer) {  // projections fit the shapes
+    const at::Tensor* w = layers.data() + layer * LAYER_TENSORS;
+    const std::pair<int, std::pair<int64_t, int64_t>> shapes[] = {
+        {QKV, {(heads + 2 * kv_heads) * dim, hidden_size}},
+        {O_PROJ, {hidden_size, heads * dim}},
+        {GATE_UP, {2 * intermediate, hidden_size}},
+        {DOWN, {hidden_size, intermediate}}};
+    for (const auto& [index, shape] : shapes) {
+      const at::Tensor& packed = w[index];
+      TORCH_CHECK((packed.dim() == 3 || packed.dim() == 4) &&
+                      packed.size(0) == (shape.first + LANES - 1) / LANES &&
+                      packed_in_features(packed) == shape.second + (is_pairs(packed) ? shape.second % 2 : 0),
+                  "decoder_forward: layer ", layer, " projection ", index,
+                  " is not a packed [", shape.first, ", ", shape.second, "] weight");
     }
   }
   const StepTensors step = step_tensors(tables, items, item_rows);
@@ -1066,18 +1214,19 @@ at::Tensor decoder_forward(const at::Tensor& embedded, const at::Tensor& cos,
   }
   if (embedded.scalar_type() == at::kFloat)
     return decoder_forward_impl<float>(embedded, cos, sin, layers, final_norm, k_caches,
-                                       v_caches, slot_mapping, step, heads, kv_heads, eps, scale,
-                                       split_keys, timings);
+                                       v_caches, slot_mapping, step, heads, kv_heads,
+                                       intermediate, eps, scale, split_keys, timings);
   TORCH_CHECK(embedded.scalar_type() == at::kBFloat16, "decoder_forward: float32 or bfloat16");
   return decoder_forward_impl<bf16_bits>(embedded, cos, sin, layers, final_norm, k_caches,
-                                         v_caches, slot_mapping, step, heads, kv_heads, eps,
-                                         scale, split_keys, timings);
+                                         v_caches, slot_mapping, step, heads, kv_heads,
+                                         intermediate, eps, scale, split_keys, timings);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("packed_linear", &packed_linear, "x @ W^T with W packed [ceil(N/16), K, 16]");
+  m.def("pack_linear_weight", &pack_linear_weight, "W [N, K] packed for packed_linear");
+  m.def("packed_linear", &packed_linear, "x @ W^T (+ bias) with W from pack_linear_weight");
   m.def("store_kv", &store_kv, "write K/V into the CPU cache layout");
   m.def("paged_attention", &paged_attention, "shared-prefix paged attention, merged");
   m.def("decoder_forward", &decoder_forward, "the decoder layers and final norm in one call");

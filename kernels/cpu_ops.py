@@ -7,8 +7,9 @@ once per step by ``reference.own_batch`` / ``prefix_batch``).
 Layouts (see ``cpu_kernels.cpp``):
 
     packed weight  [ceil(N / 16), K, 16]            ``pack_linear_weight`` of W [N, K]
-    k_cache        [num_blocks, kv_heads, head_dim, block_size]
-    v_cache        [num_blocks, kv_heads, block_size, head_dim]
+                   (bf16 with AVX512-BF16: [ceil(N / 16), ceil(K / 2), 16, 2], pairs of k)
+    k_cache        [kv_heads, num_blocks, head_dim, block_size]
+    v_cache        [kv_heads, num_blocks, block_size, head_dim]
 
 ``to_cpu_layout`` / ``from_cpu_layout`` convert caches from / to the reference layout
 ``[num_blocks, block_size, kv_heads, head_dim]``, so a test compares both on the same keys.
@@ -57,43 +58,43 @@ def kv_cache_shapes(
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The (k_cache, v_cache) shapes of one layer in the CPU layout."""
     return (
-        (num_blocks, num_kv_heads, head_dim, block_size),
-        (num_blocks, num_kv_heads, block_size, head_dim),
+        (num_kv_heads, num_blocks, head_dim, block_size),
+        (num_kv_heads, num_blocks, block_size, head_dim),
     )
 
 
 def to_cpu_layout(k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
     """Reference-layout caches [blocks, block_size, kv_heads, dim] -> CPU layout (copies)."""
-    return k_cache.permute(0, 2, 3, 1).contiguous(), v_cache.permute(0, 2, 1, 3).contiguous()
+    return k_cache.permute(2, 0, 3, 1).contiguous(), v_cache.permute(2, 0, 1, 3).contiguous()
 
 
 def from_cpu_layout(k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
     """CPU-layout caches -> the reference layout (copies)."""
-    return k_cache.permute(0, 3, 1, 2).contiguous(), v_cache.permute(0, 2, 1, 3).contiguous()
+    return k_cache.permute(1, 3, 0, 2).contiguous(), v_cache.permute(1, 2, 0, 3).contiguous()
 
 
 # ------------------------------------------------------------------ linear
 
 
-def pack_linear_weight(weight: Tensor) -> Tensor:
-    """W [N, K] -> [ceil(N / 16), K, 16] (zero-padded past N): 16 output columns per block,
-    each block one contiguous stream of K x 16 values, in W's dtype."""
+def pack_linear_weight(module: ModuleType, weight: Tensor) -> Tensor:
+    """W [N, K] -> the layout ``packed_linear`` reads, in W's dtype: 16 output columns per
+    block, each block one contiguous stream (``[ceil(N / 16), K, 16]``; bf16 on CPUs with
+    AVX512-BF16 as pairs of k, ``[ceil(N / 16), ceil(K / 2), 16, 2]``), zero-padded."""
     if weight.dim() != 2:
         raise ValueError(f"weight must be [out_features, in_features], got {tuple(weight.shape)}")
-    out_features, in_features = weight.shape
-    blocks = -(-out_features // LANES)
-    padded = weight.new_zeros(blocks * LANES, in_features)
-    padded[:out_features] = weight
-    return padded.view(blocks, LANES, in_features).transpose(1, 2).contiguous()
+    if weight.dtype not in CPU_DTYPES:
+        raise TypeError(f"weight must be one of {CPU_DTYPES}, got {weight.dtype}")
+    return module.pack_linear_weight(weight.contiguous())
 
 
 def packed_linear(
     module: ModuleType, x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int
 ) -> Tensor:
     """x [M, K] @ W^T (+ bias) -> [M, out_features] in x's dtype, W given packed."""
-    if x.dim() != 2 or x.shape[1] != packed.shape[1]:
+    in_features = packed.shape[1] * (2 if packed.dim() == 4 else 1)
+    if x.dim() != 2 or x.shape[1] not in (in_features, in_features - (packed.dim() == 4)):
         raise ValueError(
-            f"x must be [rows, {packed.shape[1]}] for this packed weight, got {tuple(x.shape)}"
+            f"x must be [rows, {in_features}] for this packed weight, got {tuple(x.shape)}"
         )
     if x.dtype != packed.dtype or x.dtype not in CPU_DTYPES:
         raise TypeError(
@@ -169,8 +170,8 @@ def attention_items(own: OwnBatch, prefixes: Sequence[PrefixBatch]) -> Attention
 def _check_caches(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
     if k_cache.dim() != 4 or v_cache.dim() != 4:
         raise ValueError("k_cache and v_cache must be 4-D (the CPU layout)")
-    num_blocks, num_kv_heads, head_dim, block_size = k_cache.shape
-    if tuple(v_cache.shape) != (num_blocks, num_kv_heads, block_size, head_dim):
+    num_kv_heads, num_blocks, head_dim, block_size = k_cache.shape
+    if tuple(v_cache.shape) != (num_kv_heads, num_blocks, block_size, head_dim):
         raise ValueError(
             f"v_cache {tuple(v_cache.shape)} does not match k_cache {tuple(k_cache.shape)} "
             "in the CPU layout"
@@ -193,7 +194,7 @@ def store_kv(
 ) -> None:
     """Write k, v [T, kv_heads, dim] at ``slots`` [T] int64 into CPU-layout caches."""
     _check_caches(k.reshape(k.shape[0], -1, k.shape[-1]), k_cache, v_cache)
-    if k.shape != v.shape or k.shape[1:] != (k_cache.shape[1], k_cache.shape[2]):
+    if k.shape != v.shape or k.shape[1:] != (k_cache.shape[0], k_cache.shape[2]):
         raise ValueError(
             f"k, v must be [tokens, kv_heads, dim] like the cache, got {tuple(k.shape)}"
         )
@@ -247,7 +248,8 @@ def _check_linear(module: ModuleType, dtype: torch.dtype, generator: torch.Gener
         weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
         bias = torch.randn(out_features, generator=generator).to(dtype)
         for b in (None, bias):
-            out = packed_linear(module, x, pack_linear_weight(weight), b, out_features)
+            packed = pack_linear_weight(module, weight)
+            out = packed_linear(module, x, packed, b, out_features)
             expected = torch.nn.functional.linear(
                 x.float(), weight.float(), None if b is None else b.float()
             )

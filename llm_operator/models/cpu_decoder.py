@@ -114,7 +114,8 @@ class CompiledDecoder:
         return step.module.decoder_forward(
             hidden, cos.contiguous(), sin.contiguous(), self.layers, model.norm.weight,
             k_caches, v_caches, step.slot_mapping, work.tables, work.items, work.item_rows,
-            config.num_heads, config.num_kv_heads, config.rms_norm_eps, config.scale,
+            config.num_heads, config.num_kv_heads, config.intermediate_size, config.rms_norm_eps,
+            config.scale,
             step.split_keys,
             torch.empty(0, dtype=torch.float64) if seconds is None else seconds,
         )  # fmt: skip

@@ -71,7 +71,7 @@ def pack_weight(weight: Tensor) -> Tensor | None:
         or cpu_extension.loaded() is None
     ):
         return None
-    return cpu_ops.pack_linear_weight(weight)
+    return cpu_ops.pack_linear_weight(cpu_extension.loaded(), weight)
 
 
 def _packed_kernel():
