@@ -172,3 +172,61 @@ def test_auto_runs_native_where_supported_and_hf_elsewhere(
     assert windowed.backend_name == "hf"
     result = windowed.generate(["Why"], SamplingParams(max_tokens=2))[0]
     assert result.finish_reason != "error" and windowed.last_stats.backend == "hf"
+
+
+@pytest.fixture
+def without_cpu_kernels(monkeypatch):
+    """This process as on a machine where the compiled CPU kernels could not be built."""
+    from llm_operator.kernels import cpu_extension
+
+    monkeypatch.setattr(cpu_extension, "_state", {"module": None, "failure": "no compiler"})
+
+
+@pytest.mark.parametrize("path", ["compiled-decoder", "cpp-attention", "torch", "no-cpp"])
+def test_every_cpu_path_matches_hf_generate(native_model_dir, path, monkeypatch, request):
+    """The CPU paths a step can take, each token-identical to HF generate: the decoder in
+    one compiled call; eager layers over the compiled attention and packed GEMMs
+    (LLM_OPERATOR_COMPILED_DECODER=0); the torch attention (LLM_OPERATOR_KERNELS=torch);
+    and a machine whose kernels failed to build (torch attention, aten/oneDNN GEMMs)."""
+    from llm_operator import kernels
+    from llm_operator.models import cpu_decoder
+
+    if path == "cpp-attention":
+        monkeypatch.setenv(cpu_decoder.DECODER_ENV, "0")
+    elif path == "torch":
+        monkeypatch.setenv(kernels.IMPLEMENTATION_ENV, "torch")
+    elif path == "no-cpp":
+        request.getfixturevalue("without_cpu_kernels")
+    calls = {"decoder": 0}
+    run_decoder = cpu_decoder.CompiledDecoder.__call__
+
+    def counting(self, *args, **kwargs):
+        calls["decoder"] += 1
+        return run_decoder(self, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_decoder.CompiledDecoder, "__call__", counting)
+    prompts = three_level_prompts()
+    op = LLMOperator(native_model_dir, backend="native", kv_block_size=4, prefill_batch_tokens=40)
+    results = op.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert_matches_hf(op, native_model_dir, prompts, results, 6, ignore_eos=True)
+    backend = op.backend()
+    expected = "cpp" if path in ("compiled-decoder", "cpp-attention") else "torch"
+    assert backend._run_implementation == expected
+    assert (calls["decoder"] > 0) == (path == "compiled-decoder")
+    packed = backend.model.layers[0].qkv_proj.packed
+    assert (packed is None) == (path == "no-cpp")
+
+
+def test_op_profile_splits_each_iteration(tiny_llama_dir, monkeypatch):
+    from llm_operator.engine.native.op_profile import KINDS, PROFILE_ENV
+
+    monkeypatch.setenv(PROFILE_ENV, "1")
+    op = LLMOperator(tiny_llama_dir, backend="native")
+    op.generate(three_level_prompts()[:4], SamplingParams(max_tokens=5, ignore_eos=True))
+    profile = op.backend().last_profile
+    assert len(profile["ops"]) == len(profile["steps"]) == profile["iterations"]
+    for split, (_, _, seconds) in zip(profile["ops"], profile["steps"]):
+        assert set(split) == set(KINDS)
+        assert all(value >= 0 for value in split.values())
+        assert split["linear"] > 0 and split["attention"] > 0 and split["sampling"] > 0
+        assert sum(split.values()) == pytest.approx(seconds, rel=1e-6, abs=1e-9)
