@@ -22,6 +22,7 @@ import hashlib
 import importlib.util
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import threading
@@ -98,12 +99,29 @@ def _import(name: str, path: Path) -> ModuleType:
     return module
 
 
+def _find_ninja() -> None:
+    """Put the ninja of the ``ninja`` package (a dependency) on PATH when it is not there:
+    ``torch.utils.cpp_extension`` runs ``ninja`` by name, and a venv's scripts are on PATH
+    only when the venv is activated."""
+    if shutil.which("ninja"):
+        return
+    folders = [str(Path(sys.executable).parent)]
+    try:
+        import ninja
+
+        folders.insert(0, str(ninja.BIN_DIR))
+    except (ImportError, AttributeError):
+        pass
+    os.environ["PATH"] = os.pathsep.join([*folders, os.environ.get("PATH", "")])
+
+
 def _build(name: str, path: Path) -> ModuleType:
     """Compile into a temporary folder beside ``path``, then rename the library into place."""
     from filelock import FileLock
     from torch.utils.cpp_extension import load as compile_extension
 
     path.parent.mkdir(parents=True, exist_ok=True)
+    _find_ninja()
     with FileLock(str(path) + ".lock", timeout=BUILD_LOCK_TIMEOUT):
         if path.is_file():  # another process built it while this one waited
             return _import(name, path)

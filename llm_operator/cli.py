@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure every system side by side (or, with 'planner', the planner alone)",
         # raw text (the formatter keeps these line breaks and the epilog's columns)
         description="Run the benchmark workloads through every system in one run and write\n"
-        "<out>/<name>.json, .md and .png. 'bench planner' times the prefix planner alone.",
+        "<out>/<name>.json, .md and .png. 'bench planner' times the prefix planner alone;\n"
+        "'bench decode' times decode steps of native and vLLM against the machine's floor.",
         epilog=catalog_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -85,9 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
         "target",
         nargs="?",
         default="systems",
-        choices=["systems", "planner", "fields"],
-        help="systems (default), planner, or fields (field order and dedupe through Spark "
-        "local: --tables, --repeat)",
+        choices=["systems", "planner", "fields", "decode"],
+        help="systems (default), planner, fields (field order and dedupe through Spark "
+        "local: --tables, --repeat), or decode (decode steps against the floor: "
+        "--batch-rows, --prefix-tokens, --dtypes, --decode-tokens, --repeat)",
     )
     bench.add_argument(
         "--model", default=DEFAULT_MODEL, help="alias, Hugging Face model directory or .gguf file"
@@ -134,6 +136,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="fields: tables, comma-separated",
     )
     bench.add_argument("--rows", type=int, help="fields: rows per table (default 600 / 120)")
+    bench.add_argument(
+        "--batch-rows", default="1,4,16,64", help="decode: rows decoding at once, comma-separated"
+    )
+    bench.add_argument(
+        "--prefix-tokens", default="1000", help="decode: shared prefix lengths, comma-separated"
+    )
+    bench.add_argument(
+        "--dtypes", default="float32,bfloat16", help="decode: dtypes, comma-separated"
+    )
+    bench.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=64,
+        help="decode: steps timed per row (vLLM: the difference of two decode lengths)",
+    )
 
     demo = commands.add_parser("demo", help="classify the bundled reviews and tickets with SmolLM2")
     _add_model_option(demo)
@@ -333,7 +350,35 @@ def command_plan(args) -> int:
     return 0
 
 
+def _integers(text: str, name: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{name} must be comma-separated integers, got {text!r}") from None
+
+
 def command_bench(args) -> int:
+    if args.target == "decode":
+        from llm_operator.bench.decode_bench import run_decode_bench
+
+        run_decode_bench(
+            model=args.model,
+            rows=_integers(args.batch_rows, "--batch-rows"),
+            prefixes=_integers(args.prefix_tokens, "--prefix-tokens"),
+            dtypes=[d.strip() for d in args.dtypes.split(",") if d.strip()],
+            systems=[s.strip() for s in (args.systems or "native,vllm").split(",") if s.strip()],
+            decode_tokens=args.decode_tokens,
+            repeat=max(1, args.repeat),
+            seed=args.seed,
+            vllm_block_size=args.vllm_block_size or 32,
+            vllm_python=args.vllm_python,
+            vllm_eager=args.vllm_eager,
+            kv_cache_gib=args.kv_cache_gib,
+            timeout=args.timeout,
+            out=args.out,
+            name=args.name or "bench-decode",
+        )
+        return 0
     if args.target == "fields":
         from llm_operator.bench.fields import run_fields_bench
 

@@ -4,6 +4,7 @@ and the figures it derives (work in FLOP, matmul rate, decode steps) on hand-che
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -401,3 +402,73 @@ def test_per_system_dtype_and_block_size():
         SystemSpec("x", "operator", "d", {"backend": "native"}, block_size=32)
     with pytest.raises(ValueError, match="dtype='fp8'"):
         SystemSpec("x", "vllm", "d", dtype="fp8")
+
+
+def test_decode_steps_split_by_kind_per_batch_size():
+    steps = [(2, 2, 0.010), (2, 2, 0.030), (9, 1, 0.4), (2, 2, 0.020)]
+    ops = [
+        {"linear": 0.006, "attention": 0.002, "host": 0.002},
+        {"linear": 0.020, "attention": 0.004, "host": 0.006},
+        {"linear": 0.300, "attention": 0.050, "host": 0.050},  # not a decode step
+        {"linear": 0.012, "attention": 0.003, "host": 0.005},
+    ]
+    (batch,) = summarize_decode_steps(steps, ops)["by_batch"]
+    assert batch["rows"] == 2 and batch["median_ms"] == pytest.approx(20.0)
+    assert batch["ops_ms"] == {
+        "linear": pytest.approx(12.0),
+        "attention": pytest.approx(3.0),
+        "host": pytest.approx(5.0),
+    }
+    assert "ops_ms" not in summarize_decode_steps(steps)["by_batch"][0]
+
+
+def test_decode_step_floor_matches_a_hand_computation():
+    from llm_operator.bench.decode_bench import step_floor
+
+    shape = TINY_SHAPE
+    weights = shape.linear_weights() + shape.vocab_size * shape.hidden_size
+    kv_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim
+    floor = step_floor(
+        shape, element_bytes=4, rows=8, prefix_tokens=100, own_tokens=10,
+        bandwidth=1e9, rate_flops=1e9,
+    )  # fmt: skip
+    assert floor["bytes"] == (weights + kv_per_token * (100 + 8 * 10)) * 4
+    attention = 4 * shape.num_layers * shape.num_heads * shape.head_dim * 110
+    assert floor["flop"] == 8 * (2 * weights + attention)
+    assert floor["memory_ms"] == pytest.approx(floor["bytes"] / 1e6)
+    assert floor["compute_ms"] == pytest.approx(floor["flop"] / 1e6)
+    assert floor["floor_ms"] == max(floor["memory_ms"], floor["compute_ms"])
+    # one row is bound by memory, many rows by arithmetic
+    one = step_floor(shape, element_bytes=4, rows=1, prefix_tokens=100, own_tokens=10,
+                     bandwidth=1e9, rate_flops=1e12)  # fmt: skip
+    assert one["floor_ms"] == one["memory_ms"]
+
+
+def test_bench_decode_times_native_against_the_floor(tiny_llama_dir, tmp_path, capsys):
+    code = main(
+        ["bench", "decode", "--model", str(tiny_llama_dir), "--systems", "native",
+         "--batch-rows", "1,3", "--prefix-tokens", "40", "--dtypes", "float32",
+         "--decode-tokens", "6", "--repeat", "2", "--out", str(tmp_path), "--name", "dec"]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads((tmp_path / "dec.json").read_text())
+    assert report["bandwidth_gbs"] > 0 and report["matmul_rate"]["float32"] > 0
+    assert [(e["rows"], e["prefix"], e["dtype"]) for e in report["table"]] == [
+        (1, 40, "float32"),
+        (3, 40, "float32"),
+    ]
+    for entry in report["table"]:
+        assert entry["floor_ms"] > 0 and entry["native_ms"] > 0
+        assert len(entry["native_runs_ms"]) == 2
+        assert entry["native_ms"] == pytest.approx(statistics.median(entry["native_runs_ms"]))
+        split = entry["native_split_ms"]
+        assert set(split) == {"linear", "attention", "kv_store", "elementwise", "sampling", "host"}
+        assert split["linear"] > 0 and split["attention"] > 0
+        assert "vllm_ms" not in entry
+    markdown = (tmp_path / "dec.md").read_text()
+    assert "| float32 | 40 | 3 |" in markdown and "native / floor" in markdown
+    assert "by kind of work" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="decode systems"):
+        from llm_operator.bench.decode_bench import run_decode_bench
+
+        run_decode_bench(model=str(tiny_llama_dir), systems=("hf",), out=tmp_path)

@@ -222,3 +222,24 @@ def test_bench_runs_the_vllm_backend_beside_plain_vllm(vllm_llama_dir, tmp_path)
         assert plan["agreement_with_hf_static"] == 1.0
         assert workload["min_prefill_tokens"] <= plan["prefill_tokens_computed"]
         assert plan["prefill_tokens_computed"] <= plain["prefill_tokens_computed"]
+
+
+def test_bench_decode_times_vllm_beside_native(vllm_llama_dir, tmp_path):
+    """`bench decode`: vLLM's step from two decode lengths of the same rows, native's from
+    its iterations, both beside the floor, in one table."""
+    import json
+
+    from llm_operator.cli import main
+
+    args = ["bench", "decode", "--model", str(vllm_llama_dir), "--batch-rows", "1,4"]
+    args += ["--prefix-tokens", "60", "--dtypes", "float32", "--decode-tokens", "8"]
+    args += ["--repeat", "1", "--vllm-eager", "--out", str(tmp_path), "--name", "d"]
+    assert main(args) == 0
+    report = json.loads((tmp_path / "d.json").read_text())
+    assert not report["errors"], report["errors"]
+    assert report["vllm_block_size"] == BLOCK_SIZE
+    assert report["vllm_engine"]["float32"]["vllm_version"]
+    for entry in report["table"]:
+        assert entry["floor_ms"] > 0 and entry["native_ms"] > 0
+        assert entry["vllm_ms"] > 0 and len(entry["vllm_runs_ms"]) == 1
+    assert "| float32 | 60 | 4 |" in (tmp_path / "d.md").read_text()

@@ -13,17 +13,23 @@ from collections.abc import Iterable
 from typing import Any
 
 
-def summarize_decode_steps(steps: Iterable[Any]) -> dict[str, Any] | None:
+def summarize_decode_steps(
+    steps: Iterable[Any], ops: Iterable[dict[str, float]] | None = None
+) -> dict[str, Any] | None:
     """Median seconds per decode-only iteration, by batch size; None without such steps.
 
     Returns ``{"iterations", "decode_iterations", "decode_seconds", "by_batch": [{"rows",
-    "iterations", "median_ms"}, ...]}`` (ascending rows). Entries that are not
+    "iterations", "median_ms"[, "ops_ms"]}, ...]}`` (ascending rows). Entries that are not
     ``(tokens, rows_sampled, seconds)`` with tokens >= 1 are skipped, so a profile of
-    another shape yields None rather than an error.
+    another shape yields None rather than an error. ``ops``: each iteration's seconds by
+    kind of work (``last_profile["ops"]``, one per step), whose medians over a batch
+    size's decode iterations become its ``ops_ms``.
     """
     iterations = 0
     by_rows: dict[int, list[float]] = {}
-    for step in steps:
+    ops_by_rows: dict[int, list[dict[str, float]]] = {}
+    splits = list(ops) if ops is not None else []
+    for index, step in enumerate(steps):
         iterations += 1
         try:
             tokens, rows, seconds = step
@@ -32,6 +38,8 @@ def summarize_decode_steps(steps: Iterable[Any]) -> dict[str, Any] | None:
             continue
         if tokens >= 1 and tokens == rows and seconds >= 0:
             by_rows.setdefault(rows, []).append(seconds)
+            if index < len(splits) and isinstance(splits[index], dict):
+                ops_by_rows.setdefault(rows, []).append(splits[index])
     if not by_rows:
         return None
     return {
@@ -43,6 +51,17 @@ def summarize_decode_steps(steps: Iterable[Any]) -> dict[str, Any] | None:
                 "rows": rows,
                 "iterations": len(by_rows[rows]),
                 "median_ms": statistics.median(by_rows[rows]) * 1e3,
+                **(
+                    {
+                        "ops_ms": {
+                            kind: statistics.median(split[kind] for split in ops_by_rows[rows])
+                            * 1e3
+                            for kind in ops_by_rows[rows][0]
+                        }
+                    }
+                    if ops_by_rows.get(rows)
+                    else {}
+                ),
             }
             for rows in sorted(by_rows)
         ],
@@ -58,4 +77,4 @@ def backend_decode_profile(backend: Any) -> dict[str, Any] | None:
     steps = profile.get("steps") if isinstance(profile, dict) else None
     if not isinstance(steps, (list, tuple)):
         return None
-    return summarize_decode_steps(steps)
+    return summarize_decode_steps(steps, profile.get("ops"))

@@ -109,11 +109,12 @@ def run_worker_system(
     timeout: float | None,
     log: Log,
     python: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> dict:
     """Run a "static" or "operator" system in a ``bench.worker`` subprocess (in ``python``,
-    default this interpreter) on the workloads it runs (``systems.runs_on``); its RESULT
-    dict. ``spec.dtype`` goes in as the "dtype" option; a choices system gets the rows'
-    labels as "choices"."""
+    default this interpreter; ``env``: variables added to its environment) on the workloads
+    it runs (``systems.runs_on``); its RESULT dict. ``spec.dtype`` goes in as the "dtype"
+    option; a choices system gets the rows' labels as "choices"."""
     dtype = {"dtype": spec.dtype} if spec.dtype is not None else {}
     job = {
         "system": spec.name,
@@ -148,7 +149,9 @@ def run_worker_system(
             str(result_path),
         ]
         try:
-            subprocess.run(command, timeout=timeout, check=False, env=_child_env())
+            subprocess.run(
+                command, timeout=timeout, check=False, env={**_child_env(), **(env or {})}
+            )
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout:.0f} s"}
         if not result_path.exists():
@@ -290,8 +293,18 @@ def machine_info() -> dict[str, Any]:
         pass
     from llm_operator.config import physical_memory_bytes
 
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    features = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "asimd", "sve")
     info = {
         "cpu": cpu,
+        "cpu_features": [name for name in features if name in flags],
         "cpu_count": os.cpu_count(),
         "memory_bytes": physical_memory_bytes(),
         "python": platform.python_version(),

@@ -17,8 +17,8 @@ RESULT (JSON): ``{"load_seconds", "device", "dtype" (the weights', e.g. "float32
 "torch_threads", "runs": [{"workload", "seconds": [per repeat], "token_ids" (input order,
 first repeat), "prompt_tokens", "prefill_tokens_computed", "output_tokens",
 "peak_rss_bytes", "peak_device_bytes", "decode_profile" (native backend only, when it
-lists its steps: ``bench.decode_steps``)}]}``, or ``{"error", "traceback"}`` with exit
-status 1.
+lists its steps: ``bench.decode_steps``; first repeat), "decode_profiles" (every repeat's)}]}``,
+or ``{"error", "traceback"}`` with exit status 1.
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def run_job(job: dict[str, Any], log=lambda message: None) -> dict[str, Any]:
                     **({"choices": [choices[first]]} if choices else {}),
                 }
             )
-        seconds, first_run = [], None
+        seconds, first_run, decode_profiles = [], None, []
         for repeat in range(int(job.get("repeat", 1))):
             reset_peak_rss()
             if device is not None:
@@ -243,6 +243,7 @@ def run_job(job: dict[str, Any], log=lambda message: None) -> dict[str, Any]:
             with _Timer() as timer:
                 outcome = system.run(workload)
             seconds.append(timer.seconds)
+            decode_profiles.append(outcome.get("decode_profile"))
             log(
                 f"{job['system']} / {workload['name']}: run {repeat + 1} took {timer.seconds:.2f} s"
             )
@@ -258,6 +259,7 @@ def run_job(job: dict[str, Any], log=lambda message: None) -> dict[str, Any]:
                 "seconds": seconds,
                 "prompt_tokens": sum(len(ids) for ids in workload["token_ids"]),
                 **first_run,
+                "decode_profiles": decode_profiles,
             }
         )
     import torch
