@@ -55,17 +55,19 @@ constexpr int TILE_QUERIES = 4;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 using bf16_bits = uint16_t;
+// small helpers called inside vectorized loops: inlined, or the loops stay scalar
+#define ALWAYS_INLINE inline __attribute__((always_inline))
 
-inline float load_float(const float* p) { return *p; }
-inline float load_float(const bf16_bits* p) {
+ALWAYS_INLINE float load_float(const float* p) { return *p; }
+ALWAYS_INLINE float load_float(const bf16_bits* p) {
   uint32_t bits = static_cast<uint32_t>(*p) << 16;
   float value;
   std::memcpy(&value, &bits, sizeof(value));
   return value;
 }
 
-inline void store_float(float* p, float value) { *p = value; }
-inline void store_float(bf16_bits* p, float value) {
+ALWAYS_INLINE void store_float(float* p, float value) { *p = value; }
+ALWAYS_INLINE void store_float(bf16_bits* p, float value) {
   // round to nearest even, as torch converts (NaN stays NaN)
   uint32_t bits;
   std::memcpy(&bits, &value, sizeof(bits));
@@ -79,7 +81,7 @@ inline void store_float(bf16_bits* p, float value) {
 
 // exp(x): Cephes' expf reduction and polynomial, branch-free so that loops over it
 // vectorize; about 1 ulp. 0 below -87 (and for -inf), +inf above 88.5.
-inline float exp_any(float x) {
+ALWAYS_INLINE float exp_any(float x) {
   const float clamped = std::min(std::max(x, -87.0f), 88.5f);
   const float n = std::nearbyint(clamped * 1.44269504088896341f);
   float r = clamped - n * 0.693359375f;
@@ -102,7 +104,7 @@ inline float exp_any(float x) {
 }
 
 // exp(x) for x <= 0 (softmax weights): as exp_any, one scale factor. 0 below -87.
-inline float exp_nonpositive(float x) {
+ALWAYS_INLINE float exp_nonpositive(float x) {
   const float clamped = std::max(x, -87.0f);
   const float n = std::nearbyint(clamped * 1.44269504088896341f);
   float r = clamped - n * 0.693359375f;
@@ -126,12 +128,12 @@ typedef float vec16 __attribute__((vector_size(64), aligned(4)));
 typedef uint16_t vec16_u16 __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t vec16_u32 __attribute__((vector_size(64), aligned(4)));
 
-inline vec16 load16(const float* p) {
+ALWAYS_INLINE vec16 load16(const float* p) {
   vec16 v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline vec16 load16(const bf16_bits* p) {
+ALWAYS_INLINE vec16 load16(const bf16_bits* p) {
   vec16_u16 half;
   std::memcpy(&half, p, sizeof(half));
   const vec16_u32 bits = __builtin_convertvector(half, vec16_u32) << 16;
@@ -139,7 +141,7 @@ inline vec16 load16(const bf16_bits* p) {
   std::memcpy(&v, &bits, sizeof(v));
   return v;
 }
-inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
+ALWAYS_INLINE void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 // ------------------------------------------------------------------ packed linear
 
@@ -501,6 +503,107 @@ void value_rows(int n, const float* weights, int64_t weight_stride, const float*
   }
 }
 
+#if defined(__AVX512BF16__)
+// bf16 attention with AVX512-BF16: each VDPBF16PS multiplies 16 lanes by two values at once.
+// Scores: 16 keys per lane vector, pairs of head dimensions (two K rows interleaved);
+// values: 16 head dimensions per lane vector, pairs of keys (two V rows interleaved), the
+// softmax weights rounded to bf16 first, as Hugging Face's eager bf16 attention rounds them.
+
+// rows a, b of 16 bf16 each -> 16 pairs (a[j], b[j])
+inline __m512i interleave_rows(__m256i a, __m256i b) {
+  const __m512i index = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
+                                         8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(index,
+                                  _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+}
+
+inline __m256i load_row16(const bf16_bits* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// scores[i][0..16] = scale * q[i] . k[0..16] for up to 8 queries given as bf16 pairs
+// q [N][dim / 2], keys kt [dim][stride] (bf16)
+template <int N>
+inline void score_tile_dot(const uint32_t* __restrict q, int64_t half, const bf16_bits* kt,
+                           int64_t stride, float* __restrict scores, int64_t score_stride,
+                           float scale) {
+  __m512 sums[N];
+  for (int i = 0; i < N; ++i) sums[i] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < half; ++p) {
+    const __m512bh keys = (__m512bh)interleave_rows(load_row16(kt + 2 * p * stride),
+                                                    load_row16(kt + (2 * p + 1) * stride));
+    for (int i = 0; i < N; ++i)
+      sums[i] = _mm512_dpbf16_ps(sums[i], (__m512bh)_mm512_set1_epi32(q[i * half + p]), keys);
+  }
+  const __m512 factor = _mm512_set1_ps(scale);
+  for (int i = 0; i < N; ++i)
+    _mm512_storeu_ps(scores + i * score_stride, _mm512_mul_ps(sums[i], factor));
+}
+
+void score_rows_dot(int n, const uint32_t* q, int64_t half, const bf16_bits* kt, int64_t stride,
+                    float* scores, int64_t score_stride, float scale) {
+  switch (n) {
+#define SCORE_DOT_CASE(c)                                                                 \
+  case c:                                                                                 \
+    if constexpr (c <= TILE_QUERIES)                                                      \
+      score_tile_dot<c>(q, half, kt, stride, scores, score_stride, scale);                \
+    break;
+    FOR_TILE_SIZES(SCORE_DOT_CASE)
+#undef SCORE_DOT_CASE
+    default: TORCH_CHECK(false, "score_rows_dot: 1..", TILE_QUERIES, " query vectors");
+  }
+}
+
+// as value_tile, the weights rounded to bf16 and V read as pairs of keys
+template <int N>
+inline void value_tile_dot(const float* __restrict weights, int64_t weight_stride,
+                           const float* __restrict correction, const bf16_bits* v, int64_t dim,
+                           int keys, float* __restrict acc) {
+  uint32_t pairs[N][LANES / 2];
+  for (int i = 0; i < N; ++i)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs[i]),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(weights + i * weight_stride)));
+  const int key_pairs = (keys + 1) / 2;
+  int64_t d0 = 0;
+  for (; d0 + LANES <= dim; d0 += LANES) {
+    __m512 sums[N];
+    for (int i = 0; i < N; ++i)
+      sums[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * dim + d0), _mm512_set1_ps(correction[i]));
+    for (int p = 0; p < key_pairs; ++p) {
+      const __m256i first = load_row16(v + 2 * p * dim + d0);
+      const __m256i second =
+          2 * p + 1 < keys ? load_row16(v + (2 * p + 1) * dim + d0) : _mm256_setzero_si256();
+      const __m512bh values = (__m512bh)interleave_rows(first, second);
+      for (int i = 0; i < N; ++i)
+        sums[i] = _mm512_dpbf16_ps(sums[i], (__m512bh)_mm512_set1_epi32(pairs[i][p]), values);
+    }
+    for (int i = 0; i < N; ++i) _mm512_storeu_ps(acc + i * dim + d0, sums[i]);
+  }
+  for (; d0 < dim; ++d0) {  // a head_dim that is not a multiple of 16
+    for (int i = 0; i < N; ++i) {
+      float sum = acc[i * dim + d0] * correction[i];
+      for (int j = 0; j < keys; ++j)
+        sum += weights[i * weight_stride + j] * load_float(v + j * dim + d0);
+      acc[i * dim + d0] = sum;
+    }
+  }
+}
+
+void value_rows_dot(int n, const float* weights, int64_t weight_stride, const float* correction,
+                    const bf16_bits* v, int64_t dim, int keys, float* acc) {
+  switch (n) {
+#define VALUE_DOT_CASE(c)                                                                \
+  case c:                                                                                \
+    if constexpr (c <= TILE_QUERIES)                                                     \
+      value_tile_dot<c>(weights, weight_stride, correction, v, dim, keys, acc);          \
+    break;
+    FOR_TILE_SIZES(VALUE_DOT_CASE)
+#undef VALUE_DOT_CASE
+    default: TORCH_CHECK(false, "value_rows_dot: 1..", TILE_QUERIES, " query vectors");
+  }
+}
+#endif
+
 template <typename T>
 struct AttentionArgs {
   const T* q;  // [tokens, heads, dim]
@@ -518,8 +621,14 @@ struct AttentionArgs {
 constexpr int SUB_TILES = 4;
 constexpr int STEP_KEYS = SUB_TILES * LANES;
 
+struct UnitScratch {  // one thread's buffers, reused unit after unit
+  std::vector<float> values;
+  std::vector<uint32_t> query_pairs;  // bf16 dot path: queries as pairs of dimensions
+  std::vector<bf16_bits> key_copies;  // bf16 dot path: zero-padded partial key tiles
+};
+
 template <typename T>
-void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, std::vector<float>& scratch) {
+void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, UnitScratch& buffers) {
   const int32_t* item = a.items + u.item * ITEM_FIELDS;
   const int64_t group = a.heads / a.kv_heads, dim = a.dim, block_size = a.block_size;
   const int64_t key_len = item[KEY_LEN], row_count = item[ROW_COUNT];
@@ -530,8 +639,25 @@ void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, std::vect
   const int64_t queries = (u.r1 - u.r0) * group;
   // scratch: q [queries, dim] (scaled), SUB_TILES key tiles [dim, 16], limits [queries],
   // the softmax denominators lane by lane [queries, 16] (summed across lanes at the end)
+  std::vector<float>& scratch = buffers.values;
   scratch.resize(queries * dim + SUB_TILES * dim * LANES + queries + queries * LANES);
   float* q = scratch.data();
+#if defined(__AVX512BF16__)
+  // bf16 with AVX512-BF16: scores and values by dot products of bf16 pairs
+  constexpr bool dot = std::is_same_v<T, bf16_bits>;
+#else
+  constexpr bool dot = false;
+#endif
+  const bool use_dot = dot && dim % 2 == 0;
+  const int64_t half = dim / 2;
+  uint32_t* q_pairs = nullptr;
+  bf16_bits* key_copies = nullptr;
+  if (use_dot) {
+    buffers.query_pairs.resize(queries * half);
+    buffers.key_copies.resize(SUB_TILES * dim * LANES);
+    q_pairs = buffers.query_pairs.data();
+    key_copies = buffers.key_copies.data();
+  }
   float* key_tiles = q + queries * dim;
   float* limit = key_tiles + SUB_TILES * dim * LANES;
   float* lane_sums = limit + queries;
@@ -541,6 +667,9 @@ void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, std::vect
     for (int64_t j = 0; j < group; ++j) {
       float* dst = q + ((r - u.r0) * group + j) * dim;
       for (int64_t d = 0; d < dim; ++d) dst[d] = load_float(q_row + j * dim + d) * a.scale;
+      if (use_dot)  // the raw bf16 query, dimensions 2p and 2p + 1 in one 32-bit lane
+        std::memcpy(q_pairs + ((r - u.r0) * group + j) * half, q_row + j * dim,
+                    dim * sizeof(T));
       limit[(r - u.r0) * group + j] =
           static_cast<float>(causal ? key_len - row_count + r + 1 : key_len);
     }
@@ -580,7 +709,15 @@ void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, std::vect
       // keys, masked out of the softmax); a tile that would leave its block row (blocks of
       // fewer than 16 tokens, or not a multiple of 16) is copied, zero-padded, instead.
       tile.copied = offset + LANES > block_size;
-      if (tile.copied) {
+      if (tile.copied && use_dot) {
+        bf16_bits* copy = key_copies + count * dim * LANES;
+        for (int64_t d = 0; d < dim; ++d)
+          for (int j = 0; j < LANES; ++j)
+            copy[d * LANES + j] =
+                j < width ? reinterpret_cast<const bf16_bits*>(k_block)[d * block_size + j] : 0;
+        tile.keys = copy;
+        tile.stride = LANES;
+      } else if (tile.copied) {
         float* copy = key_tiles + count * dim * LANES;
         for (int64_t d = 0; d < dim; ++d)
           for (int j = 0; j < LANES; ++j)
@@ -610,6 +747,14 @@ void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, std::vect
     for (int64_t i0 = 0; i0 < queries; i0 += TILE_QUERIES) {
       const int n = static_cast<int>(std::min<int64_t>(TILE_QUERIES, queries - i0));
       for (int t = 0; t < count; ++t) {
+#if defined(__AVX512BF16__)
+        if (use_dot) {
+          score_rows_dot(n, q_pairs + i0 * half, half,
+                         static_cast<const bf16_bits*>(tiles[t].keys), tiles[t].stride,
+                         scores[0] + t * LANES, STEP_KEYS, a.scale);
+          continue;
+        }
+#endif
         if (tiles[t].copied)
           score_rows<float>(n, q + i0 * dim, dim, static_cast<const float*>(tiles[t].keys),
                             tiles[t].stride, scores[0] + t * LANES, STEP_KEYS);
@@ -664,12 +809,18 @@ void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, std::vect
       }
       // keys past a query's limit weigh 0 but are real (written) keys of this item
       for (int t = 0; t < count; ++t) {
-        if (keys[t] > 0)
-          value_rows<T>(n, weights[0] + t * LANES, STEP_KEYS, t == 0 ? correction : ones,
-                        tiles[t].values, dim, keys[t], acc + i0 * dim);
-        else if (t == 0)
-          value_rows<T>(n, weights[0], STEP_KEYS, correction, tiles[0].values, dim, 0,
-                        acc + i0 * dim);
+        if (keys[t] == 0 && t > 0) continue;
+        const float* factors = t == 0 ? correction : ones;
+#if defined(__AVX512BF16__)
+        if (use_dot) {
+          value_rows_dot(n, weights[0] + t * LANES, STEP_KEYS, factors,
+                         reinterpret_cast<const bf16_bits*>(tiles[t].values), dim, keys[t],
+                         acc + i0 * dim);
+          continue;
+        }
+#endif
+        value_rows<T>(n, weights[0] + t * LANES, STEP_KEYS, factors, tiles[t].values, dim,
+                      keys[t], acc + i0 * dim);
       }
     }
   }
@@ -777,7 +928,7 @@ void run_attention(const AttentionArgs<T>& a, const AttentionPlan& plan, Partial
   // units differ in size (a long segment, a one-row decode): threads take them as they go
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    std::vector<float> scratch;
+    UnitScratch scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < count; ++u) run_unit(a, plan.units[u], partials, scratch);
   }
@@ -879,7 +1030,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
 // one (the caller checks GemmChoice).
 
 template <typename T>
-inline float round_to(float value) {
+ALWAYS_INLINE float round_to(float value) {
   T stored;
   store_float(&stored, value);
   return load_float(&stored);
@@ -887,7 +1038,7 @@ inline float round_to(float value) {
 
 // hidden += delta (rounded; skipped when delta is null); normed = rms_norm(hidden) * weight
 template <typename T>
-__attribute__((optimize("fp-contract=off"))) void add_rms_norm_rows(
+void add_rms_norm_rows(
     T* hidden, const T* delta, const T* weight, T* normed, int64_t rows, int64_t size,
     float eps) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, size));
@@ -990,27 +1141,43 @@ at::Tensor decoder_forward_impl(const at::Tensor& embedded, const at::Tensor& co
                                 const std::vector<at::Tensor>& v_caches,
                                 const at::Tensor& slot_mapping, const StepTensors& step,
                                 int64_t heads, int64_t kv_heads, int64_t intermediate,
-                                double eps, double scale, int64_t split_keys, double* seconds) {
+                                double eps, double scale, int64_t split_keys, double* seconds,
+                                at::Tensor& workspace) {
   const int64_t tokens = embedded.size(0), hidden_size = embedded.size(1);
   const int64_t dim = k_caches[0].size(2), block_size = k_caches[0].size(3);
   const int64_t num_layers = static_cast<int64_t>(k_caches.size());
   const int64_t qkv_size = (heads + 2 * kv_heads) * dim;
+  // The step's activations live in `workspace` (grown here when too small, kept by the
+  // caller between steps): fresh buffers of a long prefill chunk cost more in page faults
+  // than the arithmetic on them. Only the returned hidden states are a new tensor.
   const auto options = embedded.options();
-  at::Tensor residual = embedded.clone();
+  const int64_t sizes[] = {hidden_size, hidden_size, qkv_size,      heads * dim,
+                           kv_heads * dim, kv_heads * dim, heads * dim, 2 * intermediate,
+                           intermediate};
+  int64_t per_token = 0;
+  for (const int64_t size : sizes) per_token += size;
+  const int64_t needed = tokens * per_token * static_cast<int64_t>(sizeof(T));
+  if (workspace.numel() < needed) workspace.resize_({needed});
+  T* cursor = reinterpret_cast<T*>(workspace.data_ptr());
+  auto carve = [&](int64_t width) {
+    T* buffer = cursor;
+    cursor += tokens * width;
+    return buffer;
+  };
+  T* r = carve(hidden_size);  // the residual stream
+  T* dl = carve(hidden_size);  // a block's output, added to the stream in the next norm
+  T* qkv = carve(qkv_size);
+  T* q = carve(heads * dim);
+  T* k = carve(kv_heads * dim);
+  T* v = carve(kv_heads * dim);
+  T* attended = carve(heads * dim);
+  T* gate_up = carve(2 * intermediate);
+  T* activated = carve(intermediate);
+  std::memcpy(r, embedded.data_ptr(), tokens * hidden_size * sizeof(T));
   at::Tensor normed = at::empty({tokens, hidden_size}, options);
-  at::Tensor delta = at::empty({tokens, hidden_size}, options);
-  at::Tensor qkv = at::empty({tokens, qkv_size}, options);
-  at::Tensor q = at::empty({tokens, heads, dim}, options);
-  at::Tensor k = at::empty({tokens, kv_heads, dim}, options);
-  at::Tensor v = at::empty({tokens, kv_heads, dim}, options);
-  at::Tensor attended = at::empty({tokens, heads, dim}, options);
-  at::Tensor gate_up = at::empty({tokens, 2 * intermediate}, options);
-  at::Tensor activated = at::empty({tokens, intermediate}, options);
   std::vector<float> x32;  // a linear's input in fp32
   std::vector<float> bias32;
-  T* r = reinterpret_cast<T*>(residual.data_ptr());
   T* n = reinterpret_cast<T*>(normed.data_ptr());
-  T* dl = reinterpret_cast<T*>(delta.data_ptr());
   auto clock = [&]() { return std::chrono::steady_clock::now(); };
   auto add_time = [&](int kind, std::chrono::steady_clock::time_point since) {
     if (seconds) seconds[kind] += std::chrono::duration<double>(clock() - since).count();
@@ -1039,42 +1206,36 @@ at::Tensor decoder_forward_impl(const at::Tensor& embedded, const at::Tensor& co
     add_rms_norm_rows<T>(r, layer ? dl : nullptr, reinterpret_cast<const T*>(w[INPUT_NORM].data_ptr()),
                          n, tokens, hidden_size, static_cast<float>(eps));
     add_time(ELEMENTWISE_SECONDS, started);
-    linear(n, hidden_size, w[QKV], w[QKV_BIAS], reinterpret_cast<T*>(qkv.data_ptr()), qkv_size);
+    linear(n, hidden_size, w[QKV], w[QKV_BIAS], qkv, qkv_size);
     started = clock();
-    qkv_rope_rows<T>(reinterpret_cast<const T*>(qkv.data_ptr()),
+    qkv_rope_rows<T>(qkv,
                      reinterpret_cast<const T*>(cos.data_ptr()),
                      reinterpret_cast<const T*>(sin.data_ptr()),
                      static_cast<const T*>(optional_data(w[Q_NORM])),
                      static_cast<const T*>(optional_data(w[K_NORM])), static_cast<float>(eps),
-                     reinterpret_cast<T*>(q.data_ptr()), reinterpret_cast<T*>(k.data_ptr()),
-                     reinterpret_cast<T*>(v.data_ptr()), tokens, heads, kv_heads, dim);
+                     q, k, v, tokens, heads, kv_heads, dim);
     add_time(ELEMENTWISE_SECONDS, started);
     started = clock();
     store_kv_impl<T>(reinterpret_cast<T*>(k_caches[layer].data_ptr()),
                      reinterpret_cast<T*>(v_caches[layer].data_ptr()),
-                     reinterpret_cast<const T*>(k.data_ptr()),
-                     reinterpret_cast<const T*>(v.data_ptr()), slots, tokens, kv_heads,
+                     k, v, slots, tokens, kv_heads,
                      k_caches[layer].size(1), dim, block_size);
     add_time(KV_STORE_SECONDS, started);
     started = clock();
-    auto a = attention_args(step, reinterpret_cast<const T*>(q.data_ptr()), k_caches[layer],
+    auto a = attention_args(step, static_cast<const T*>(q), k_caches[layer],
                             v_caches[layer], heads, scale);
-    run_attention(a, plan, partials, tokens, reinterpret_cast<T*>(attended.data_ptr()));
+    run_attention(a, plan, partials, tokens, attended);
     add_time(ATTENTION_SECONDS, started);
-    linear(reinterpret_cast<const T*>(attended.data_ptr()), heads * dim, w[O_PROJ], w[O_BIAS],
-           dl, hidden_size);
+    linear(attended, heads * dim, w[O_PROJ], w[O_BIAS], dl, hidden_size);
     started = clock();
     add_rms_norm_rows<T>(r, dl, reinterpret_cast<const T*>(w[POST_NORM].data_ptr()), n, tokens,
                          hidden_size, static_cast<float>(eps));
     add_time(ELEMENTWISE_SECONDS, started);
-    linear(n, hidden_size, w[GATE_UP], at::Tensor(), reinterpret_cast<T*>(gate_up.data_ptr()),
-           2 * intermediate);
+    linear(n, hidden_size, w[GATE_UP], at::Tensor(), gate_up, 2 * intermediate);
     started = clock();
-    silu_mul_rows<T>(reinterpret_cast<const T*>(gate_up.data_ptr()),
-                     reinterpret_cast<T*>(activated.data_ptr()), tokens, intermediate);
+    silu_mul_rows<T>(gate_up, activated, tokens, intermediate);
     add_time(ELEMENTWISE_SECONDS, started);
-    linear(reinterpret_cast<const T*>(activated.data_ptr()), intermediate, w[DOWN], at::Tensor(),
-           dl, hidden_size);
+    linear(activated, intermediate, w[DOWN], at::Tensor(), dl, hidden_size);
   }
   const auto started = clock();
   add_rms_norm_rows<T>(r, num_layers ? dl : nullptr,
@@ -1155,7 +1316,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // embedded [T, hidden] (the token embeddings), cos/sin [T, head_dim]; layers: LAYER_TENSORS
 // per layer (packed projections; empty tensors for absent biases and q/k norms); the
 // step's cache slots and attention items. seconds: float64 [4] accumulating (linear,
-// attention, kv store, elementwise) seconds, or an empty tensor. -> final-normed hidden.
+// attention, kv store, elementwise) seconds, or an empty tensor; workspace: a uint8 tensor
+// for the step's activations, resized here when too small. -> final-normed hidden.
 at::Tensor decoder_forward(const at::Tensor& embedded, const at::Tensor& cos,
                            const at::Tensor& sin, const std::vector<at::Tensor>& layers,
                            const at::Tensor& final_norm, const std::vector<at::Tensor>& k_caches,
@@ -1163,7 +1325,7 @@ at::Tensor decoder_forward(const at::Tensor& embedded, const at::Tensor& cos,
                            const at::Tensor& slot_mapping, const std::vector<at::Tensor>& tables,
                            const at::Tensor& items, const at::Tensor& item_rows, int64_t heads,
                            int64_t kv_heads, int64_t intermediate, double eps, double scale,
-                           int64_t split_keys, at::Tensor& seconds) {
+                           int64_t split_keys, at::Tensor& seconds, at::Tensor& workspace) {
   TORCH_CHECK(embedded.dim() == 2 && embedded.is_contiguous(),
               "decoder_forward: embedded must be contiguous [T, hidden]");
   const int64_t num_layers = static_cast<int64_t>(k_caches.size());
@@ -1205,6 +1367,9 @@ at::Tensor decoder_forward(const at::Tensor& embedded, const at::Tensor& cos,
                   " is not a packed [", shape.first, ", ", shape.second, "] weight");
     }
   }
+  TORCH_CHECK(workspace.scalar_type() == at::kByte && workspace.dim() == 1 &&
+                  workspace.is_contiguous(),
+              "decoder_forward: workspace must be a 1-D uint8 tensor (grown as needed)");
   const StepTensors step = step_tensors(tables, items, item_rows);
   double* timings = nullptr;
   if (seconds.numel()) {
@@ -1215,11 +1380,13 @@ at::Tensor decoder_forward(const at::Tensor& embedded, const at::Tensor& cos,
   if (embedded.scalar_type() == at::kFloat)
     return decoder_forward_impl<float>(embedded, cos, sin, layers, final_norm, k_caches,
                                        v_caches, slot_mapping, step, heads, kv_heads,
-                                       intermediate, eps, scale, split_keys, timings);
+                                       intermediate, eps, scale, split_keys, timings,
+                                       workspace);
   TORCH_CHECK(embedded.scalar_type() == at::kBFloat16, "decoder_forward: float32 or bfloat16");
   return decoder_forward_impl<bf16_bits>(embedded, cos, sin, layers, final_norm, k_caches,
                                          v_caches, slot_mapping, step, heads, kv_heads,
-                                         intermediate, eps, scale, split_keys, timings);
+                                         intermediate, eps, scale, split_keys, timings,
+                                       workspace);
 }
 
 }  // namespace

@@ -76,6 +76,8 @@ class CompiledDecoder:
             and all(packed is not None for _, packed, _ in self.projections)
         )
         self._by_rows: dict[int, bool] = {}  # rows.bit_length() -> all projections packed
+        # the activations of a step, kept between steps (decoder_forward grows it)
+        self.workspace = torch.empty(0, dtype=torch.uint8)
 
     def runs(self, rows: int, step: AttentionStep) -> bool:
         """Whether this step (``rows`` tokens, attention ``step``) may run compiled."""
@@ -118,4 +120,5 @@ class CompiledDecoder:
             config.scale,
             step.split_keys,
             torch.empty(0, dtype=torch.float64) if seconds is None else seconds,
+            self.workspace,
         )  # fmt: skip
