@@ -241,5 +241,9 @@ def test_bench_decode_times_vllm_beside_native(vllm_llama_dir, tmp_path):
     assert report["vllm_engine"]["float32"]["vllm_version"]
     for entry in report["table"]:
         assert entry["floor_ms"] > 0 and entry["native_ms"] > 0
-        assert entry["vllm_ms"] > 0 and len(entry["vllm_runs_ms"]) == 1
+        # vLLM's step is the difference of two runs; on a tiny model noise can swamp it, and
+        # then the table must say so (no figure) rather than print a negative step.
+        runs = entry["vllm_runs_ms"]
+        assert len(runs) == 1
+        assert entry["vllm_ms"] == (runs[0] if runs[0] > 0 else None)
     assert "| float32 | 60 | 4 |" in (tmp_path / "d.md").read_text()

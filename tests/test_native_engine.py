@@ -230,3 +230,24 @@ def test_op_profile_splits_each_iteration(tiny_llama_dir, monkeypatch):
         assert all(value >= 0 for value in split.values())
         assert split["linear"] > 0 and split["attention"] > 0 and split["sampling"] > 0
         assert sum(split.values()) == pytest.approx(seconds, rel=1e-6, abs=1e-9)
+
+
+@pytest.mark.parametrize("path", ["cpp", "torch"])
+def test_kv_pool_is_reused_by_a_smaller_run(tiny_llama_dir, path, monkeypatch):
+    """The KV pool of a large run serves the next, smaller one (on every attention path):
+    its block count is the pool's, not the run's, and answers stay HF's."""
+    from llm_operator import kernels
+
+    if path == "torch":
+        monkeypatch.setenv(kernels.IMPLEMENTATION_ENV, "torch")
+    op = LLMOperator(tiny_llama_dir, backend="native", kv_block_size=4)
+    prompts = three_level_prompts()
+    op.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    backend = op.backend()
+    pool = backend._pool
+    assert pool is not None and pool[0] == ("cpp" if path == "cpp" else "torch")
+    small = prompts[:2]
+    results = op.generate(small, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert backend._pool is pool  # reused, not reallocated
+    assert backend.last_profile["num_blocks"] < pool[1]
+    assert_matches_hf(op, tiny_llama_dir, small, results, 4, ignore_eos=True)

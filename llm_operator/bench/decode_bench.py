@@ -329,7 +329,10 @@ def _run_vllm(
         per_repeat = [
             (b - a) / decode_tokens * 1e3 for a, b in zip(short["seconds"], long["seconds"])
         ]
-        steps[w["name"]] = {"ms": statistics.median(per_repeat), "runs": per_repeat}
+        median = statistics.median(per_repeat)
+        # A difference at or below zero means the runs' noise exceeds the decode steps' time
+        # (a tiny model, a busy machine): no step time can be read from it.
+        steps[w["name"]] = {"ms": median if median > 0 else None, "runs": per_repeat}
     return {**{k: v for k, v in result.items() if k != "runs"}, "steps": steps}
 
 

@@ -6,6 +6,8 @@ One iteration (``_NativeSteps.step``) is three calls, nano-vllm style:
   2. ``model(...)``: one token-packed forward over all chunks; per layer the attention
      stores the new K/V and merges, by log-sum-exp, each row's attention over its own K/V
      (causal) with one batched call per shared segment over all rows that read it;
+     (on a CPU with every projection packed, the compiled decoder runs all layers in one
+     C++ call: ``models.cpu_decoder.CompiledDecoder``);
   3. sample the rows that reached their last token (``Run.sample``), hand each token to the
      run (``Run.append`` applies the stop rules), then ``finish`` or ``append_token``.
 """
@@ -97,7 +99,7 @@ class NativeBackend:
         return blocks
 
     def _implementation(self) -> str:
-        """The attention kernels of this backend's device and dtype (``kernels.implementation``)."""
+        """The attention kernels of this backend's device and dtype (``kernels.step_implementation``)."""
         return kernels.step_implementation(torch.empty(0, device=self.device, dtype=self.dtype))
 
     def _kv_pool(self, implementation: str, num_blocks: int) -> tuple[list, list]:
@@ -151,7 +153,8 @@ class NativeBackend:
             if chunk.sample:
                 last_rows.append(len(input_ids) - 1)
         device = self.device
-        shape = {"block_size": bs, "num_blocks": scheduler.blocks.num_blocks, "device": device}
+        # the pool may hold more blocks than this run uses (a larger run allocated it)
+        shape = {"block_size": bs, "num_blocks": self._pool[1], "device": device}
         own_batch = kernels.own_batch(query_start, tables, context_lens, **shape)
         if self._run_implementation == "torch" and chains:
             # torch path: a row's whole chain is one attention part (one call, one merge)
