@@ -23,7 +23,8 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 
-from llm_operator.integrations._partition import (
+from llm_operator.integrations.json_values import ValueType
+from llm_operator.integrations.partition import (
     RESULT_FIELDS,
     VALUE_FIELD,
     InferOptions,
@@ -36,7 +37,6 @@ from llm_operator.integrations._partition import (
     run_partition,
     typed_value,
 )
-from llm_operator.integrations.json_values import ValueType
 from llm_operator.options import SCOPES, keyword_signature
 
 # Text results use the dtype dask itself gives text columns (its "convert-string" default).

@@ -20,8 +20,8 @@ import dask
 import dask.dataframe as dd
 import pandas as pd
 
-from llm_operator.field_order import FieldPlan, plan_fields
-from llm_operator.table_prompt import (
+from llm_operator.prompts.field_order import FieldPlan, plan_fields
+from llm_operator.prompts.table import (
     TablePrompt,
     check_columns,
     field_texts,

@@ -29,7 +29,8 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from llm_operator.integrations._partition import (
+from llm_operator.integrations.json_values import ValueType
+from llm_operator.integrations.partition import (
     RESULT_FIELDS,
     VALUE_FIELD,
     InferOptions,
@@ -43,9 +44,8 @@ from llm_operator.integrations._partition import (
     run_partition,
     typed_value,
 )
-from llm_operator.integrations.json_values import ValueType
 from llm_operator.options import SCOPES, keyword_signature
-from llm_operator.table_prompt import TABLE_PROMPT_OPTIONS
+from llm_operator.prompts.table import TABLE_PROMPT_OPTIONS
 
 _SPARK_TYPES = {
     str: T.StringType(),

@@ -21,8 +21,8 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from llm_operator.field_order import FieldPlan, plan_fields
-from llm_operator.table_prompt import NULL_TEXT, Field, TablePrompt, check_columns
+from llm_operator.prompts.field_order import FieldPlan, plan_fields
+from llm_operator.prompts.table import NULL_TEXT, Field, TablePrompt, check_columns
 
 _RENDERABLE = (
     T.StringType,

@@ -15,10 +15,11 @@ from collections.abc import Sequence
 
 from llm_operator import options as option_table
 from llm_operator.config import EngineConfig
-from llm_operator.engine.run import Backend, Run, run_plan
+from llm_operator.engine.base import Backend
+from llm_operator.engine.run import Run, run_plan
 from llm_operator.planner import Plan, build_plan
 from llm_operator.progress import ProgressBar
-from llm_operator.prompts import PreparedPrompts, Prompt, prepare_prompts
+from llm_operator.prompts.encode import PreparedPrompts, Prompt, prepare_prompts
 from llm_operator.results import GenerationResult, RunStats
 from llm_operator.sampling import SamplingParams
 
@@ -41,7 +42,7 @@ class LLMOperator:
         option_table.split(options, ["engine"])  # TypeError naming an unknown option
         self.config = EngineConfig(**options)
         if self.config.backend == "vllm":
-            from llm_operator.engine.vllm_backend import require_vllm
+            from llm_operator.engine.vllm.backend import require_vllm
 
             require_vllm()
         trust = self.config.trust_remote_code

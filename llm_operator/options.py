@@ -92,9 +92,47 @@ def _stop_strings(name: str, value: Any) -> tuple[str, ...]:
     return strings
 
 
-def _memory_size(name: str, value: Any) -> int | str:
-    from llm_operator.config import parse_memory_size
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
+
+def parse_memory_size(value: int | str, *, name: str = "kv_cache_memory") -> int | None:
+    """Bytes from an int or a string such as "2GiB" or "512 MB"; None for "auto"."""
+    if isinstance(value, bool):
+        raise TypeError(
+            f"{name} must be a number of bytes, a size such as '2GiB', or 'auto'; got {value!r}"
+        )
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"{name} must be > 0 bytes, got {value!r}")
+        return value
+    if isinstance(value, float) and value.is_integer() and value > 0:
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return None
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?", text)
+        if match:
+            number = float(match.group(1)) * _SIZE_UNITS[match.group(2) or ""]
+            if number >= 1:
+                return int(number)
+    raise ValueError(
+        f"{name} must be a number of bytes, a size such as '2GiB', or 'auto'; got {value!r}"
+    )
+
+
+def _memory_size(name: str, value: Any) -> int | str:
     parse_memory_size(value, name=name)
     return value
 
@@ -296,7 +334,7 @@ OPTIONS: tuple[Option, ...] = (
            _boolean, "bool", cli="flag"),
     Option("system", "prompt", None, "a system message before each prompt (implies chat)",
            _optional(_text), "str | None"),
-    # -- prompts built from a table's columns (llm_operator.table_prompt) -----------------
+    # -- prompts built from a table's columns (llm_operator.prompts.table) -----------------
     Option("template", "prompt", None,
            'build each prompt from the row\'s columns, e.g. "Title: {title}\\nGenres: {genres}'
            '\\nIs it a comedy?" (nulls render empty)', _optional(_text), "str | None"),

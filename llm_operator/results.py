@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
+
+FinishReason = Literal["stop", "length", "error"]
+"""Why a row ended: "stop" (EOS or a stop string), "length" (max_tokens or the model's
+context), "error" (the row could not run)."""
 
 
 class GenerationResult(NamedTuple):
@@ -15,7 +19,7 @@ class GenerationResult(NamedTuple):
 
     text: str
     token_ids: tuple[int, ...]
-    finish_reason: str
+    finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None

@@ -19,7 +19,7 @@ import pytest
 import torch
 from helpers import TINY_INITIALIZER_RANGE, hf_generate_greedy, tiny_config
 
-from llm_operator.bench.vllm_systems import (
+from llm_operator_bench.vllm_systems import (
     VLLMRunError,
     VLLMUnavailable,
     find_vllm_python,

@@ -13,8 +13,9 @@ import re
 import pytest
 from transformers import AutoTokenizer
 
-from llm_operator.bench import text
-from llm_operator.bench.workloads import (
+from llm_operator.planner import build_plan
+from llm_operator_bench import text
+from llm_operator_bench.workloads import (
     CLASSIFY_STOP,
     DEFAULT_WORKLOADS,
     IGNORE_EOS_WORKLOADS,
@@ -24,7 +25,6 @@ from llm_operator.bench.workloads import (
     make_workload,
     shared_first_order,
 )
-from llm_operator.planner import build_plan
 
 # Overshoot allowed over a token target: one sentence plus a short label or answer. The tiny
 # test tokenizer is almost character level, so one sentence is 10-60 of its tokens.

@@ -14,8 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from llm_operator.cli import main
-from llm_operator.integrations import engines
+from llm_operator.cli import engines, main
 
 TEXTS = [f"Review {i}: the {'battery' if i % 3 else 'screen'} is {'fine' if i % 2 else 'bad'}"
          for i in range(14)]  # fmt: skip

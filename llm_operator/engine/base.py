@@ -1,19 +1,27 @@
-"""What a run of a plan returns.
+"""The backend contract: what a backend offers and what a run of a plan returns.
 
-One ``RequestOutput`` per planned request, indexed by ``request_id``; the ``Run`` of
-``engine.run`` collects them (the backends step, the run records).
+A backend (``hf``, ``native``, ``vllm``) is a step runner: ``backend.start(run)`` gives its
+``Steps`` for one run, and ``engine.run.run_plan`` calls ``steps.step()`` until it returns
+False, then ``steps.close()``. One ``RequestOutput`` per planned request, indexed by
+``request_id``; the ``Run`` of ``engine.run`` collects them (the backends step, the run
+records).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+from llm_operator.results import FinishReason
+
+if TYPE_CHECKING:
+    from llm_operator.engine.run import Run
 
 
 class RequestOutput(NamedTuple):
     token_ids: tuple[int, ...]
     text: str
-    finish_reason: str  # "stop" | "length" | "error"
+    finish_reason: FinishReason
     error: str | None = None
     logprob: float | None = None  # with logprobs=True: sum over token_ids, unconstrained
 
@@ -26,3 +34,21 @@ class BackendResult(NamedTuple):
 
 # progress(finished_rows, new_output_tokens): rows are input rows (a merged request counts each)
 ProgressCallback = Callable[[int, int], None]
+
+
+class Steps(Protocol):
+    """A backend's work on one run."""
+
+    def step(self) -> bool:
+        """One iteration; False when there was nothing left to run."""
+        ...
+
+    def close(self) -> None:
+        """Free what the run held (KV pools, in-flight engine requests)."""
+        ...
+
+
+class Backend(Protocol):
+    name: str
+
+    def start(self, run: Run) -> Steps: ...

@@ -27,7 +27,7 @@ def build_backend(config: EngineConfig, info: ModelInfo, tokenizer):
             f"{name} backend (chosen here: backend={config.backend!r}) always re-batches"
         )
     if name == "vllm":
-        from llm_operator.engine.vllm_backend import VLLMBackend
+        from llm_operator.engine.vllm.backend import VLLMBackend
 
         return VLLMBackend(
             str(info.path),
@@ -46,7 +46,7 @@ def build_backend(config: EngineConfig, info: ModelInfo, tokenizer):
     kv_cache_bytes = config.kv_cache_bytes or auto_kv_cache_bytes(device)
     if name == "native":
         return _native(config, info, tokenizer, device, dtype, kv_cache_bytes)
-    from llm_operator.engine.hf import HFBackend
+    from llm_operator.engine.hf.backend import HFBackend
     from llm_operator.models import load_causal_lm
 
     with _transformers_progress_bars(config.progress):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+from llm_operator.results import FinishReason
 from llm_operator.sampling import SamplingParams
 
 
@@ -31,7 +32,7 @@ class RowDecoder:
         self.eos_token_ids = frozenset(() if params.ignore_eos else eos_token_ids)
         self.token_ids: list[int] = []
         self.text = ""
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self._cut_at_stop_string = False
         # the row may not grow past the model's context
         self.max_tokens = max(1, min(params.max_tokens, max_context - prompt_length))

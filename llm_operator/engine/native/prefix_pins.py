@@ -4,7 +4,7 @@ BatchLLM keeps a group's prefix K/V resident until the group's last request ends
 an LRU cache that may evict it while members still wait. Index map:
 
     pending[segment_id]   requests not yet finished or rejected whose chain holds the segment
-    live[segment_id]      its segment Sequence while pinned (RUNNING, then READY), else None
+    live[segment_id]      its segment KVSequence while pinned (RUNNING, then READY), else None
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Chain
 
 from llm_operator.engine.native.block_manager import BlockManager
-from llm_operator.engine.native.sequence import FINISHED, READY, RUNNING, Sequence
+from llm_operator.engine.native.sequence import FINISHED, READY, RUNNING, KVSequence
 from llm_operator.engine.segment_pins import SegmentPins
 from llm_operator.planner.plan import Plan
 
@@ -34,7 +34,7 @@ class PrefixPins(SegmentPins):
         super().__init__(len(plan.segments), chains)
         self.plan, self.blocks = plan, blocks
         self.need = [blocks.blocks_for(len(segment.token_ids)) for segment in plan.segments]
-        self.live: list[Sequence | None] = [None] * len(plan.segments)
+        self.live: list[KVSequence | None] = [None] * len(plan.segments)
 
     def chain_blocks(self, chain: tuple[int, ...], *, missing_only: bool = False) -> int:
         """Blocks the chain's segments take (``missing_only``: those not pinned yet)."""
@@ -48,7 +48,7 @@ class PrefixPins(SegmentPins):
         segment_seq = self.live[segment_id]
         return segment_seq is not None and segment_seq.status == READY
 
-    def ready(self, segment_id: int) -> Sequence:
+    def ready(self, segment_id: int) -> KVSequence:
         """The READY sequence of a segment (AssertionError otherwise)."""
         segment_seq = self.live[segment_id]
         assert segment_seq is not None and segment_seq.status == READY, (
@@ -56,7 +56,7 @@ class PrefixPins(SegmentPins):
         )
         return segment_seq
 
-    def pin(self, segment_seq: Sequence) -> None:
+    def pin(self, segment_seq: KVSequence) -> None:
         segment_id = segment_seq.ref
         assert self.live[segment_id] is None and self.pending[segment_id] > 0, (
             f"segment {segment_id} is pinned already or has no member left"
@@ -64,7 +64,7 @@ class PrefixPins(SegmentPins):
         assert len(segment_seq.blocks) == self.need[segment_id], "pin a fully allocated segment"
         self.live[segment_id] = segment_seq
 
-    def member_done(self, chain: tuple[int, ...]) -> list[Sequence]:
+    def member_done(self, chain: tuple[int, ...]) -> list[KVSequence]:
         """A member finished or was rejected; returns released segments that were RUNNING."""
         released = []
         for segment_id in super().member_done(chain):

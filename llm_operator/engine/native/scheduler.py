@@ -7,7 +7,7 @@ is one model iteration; its chunks are token-packed in this order:
       every running request   running sequences, oldest    waiting work in plan order,
       1 token, oldest first   first, chunked to the budget segments ahead of their members
 
-Contract with the model runner (see ``Sequence``, ``ScheduledChunk``):
+Contract with the model runner (see ``KVSequence``, ``ScheduledChunk``):
 
     while not scheduler.done:
         chunks = scheduler.schedule()     # never empty while not done
@@ -60,15 +60,17 @@ from llm_operator.engine.native.prefix_pins import PrefixPins
 from llm_operator.engine.native.sequence import (
     FINISHED,
     READY,
+    REQUEST,
     RUNNING,
+    SEGMENT,
     WAITING,
+    KVSequence,
     ScheduledChunk,
-    Sequence,
 )
 from llm_operator.options import BY_NAME
 from llm_operator.planner.plan import Plan
 
-__all__ = ["Scheduler", "SchedulerStats", "ScheduledChunk", "Sequence"]
+__all__ = ["Scheduler", "SchedulerStats", "ScheduledChunk", "KVSequence"]
 
 
 @dataclass
@@ -132,9 +134,9 @@ class Scheduler:
                 chain = chain[:-1]  # entirely shared prompt: prefill the last segment itself
             self._chains.append(chain)
         self._pins = PrefixPins(plan, blocks, self._chains)
-        self._waiting: deque[Sequence] = deque()  # preempted first, then fresh in plan order
-        self._next_request = 0  # plan cursor: requests before it have a Sequence
-        self._running: list[Sequence] = []  # arrival order
+        self._waiting: deque[KVSequence] = deque()  # preempted first, then fresh in plan order
+        self._next_request = 0  # plan cursor: requests before it have a KVSequence
+        self._running: list[KVSequence] = []  # arrival order
         self._num_running_requests = 0
         self._num_finished = 0
         self._seq_ids = itertools.count()
@@ -148,12 +150,12 @@ class Scheduler:
         return self._num_finished + len(self.rejected) == len(self.plan.requests)
 
     @property
-    def running(self) -> tuple[Sequence, ...]:
+    def running(self) -> tuple[KVSequence, ...]:
         """Admitted sequences still computing, oldest first (READY segments excluded)."""
         return tuple(self._running)
 
-    def segment_sequence(self, segment_id: int) -> Sequence | None:
-        """The live Sequence of a segment (RUNNING or READY), None when not pinned."""
+    def segment_sequence(self, segment_id: int) -> KVSequence | None:
+        """The live KVSequence of a segment (RUNNING or READY), None when not pinned."""
         return self._pins.live[segment_id]
 
     def segment_blocks(self, segment_id: int) -> list[int]:
@@ -167,7 +169,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         """The next iteration's chunks; at least one while not ``done``."""
         for seq in self._running:
-            assert seq.kind == "segment" or seq.num_computed < len(seq.tokens), (
+            assert seq.kind is SEGMENT or seq.num_computed < len(seq.tokens), (
                 f"request {seq.ref} was sampled but neither append_token nor finish was called"
             )
         chunks: list[ScheduledChunk] = []
@@ -194,19 +196,19 @@ class Scheduler:
                 self.stats.decode_tokens += 1
             else:
                 self.stats.prefill_tokens += chunk.length
-            if seq.kind == "segment" and seq.num_computed == len(seq.tokens):
+            if seq.kind is SEGMENT and seq.num_computed == len(seq.tokens):
                 seq.status = READY
                 self._running.remove(seq)
 
-    def append_token(self, seq: Sequence, token_id: int) -> None:
+    def append_token(self, seq: KVSequence, token_id: int) -> None:
         """Add a sampled token to a request whose own tokens are all computed."""
-        assert seq.kind == "request" and seq.status == RUNNING, f"request {seq.ref} not running"
+        assert seq.kind is REQUEST and seq.status == RUNNING, f"request {seq.ref} not running"
         assert seq.num_computed == len(seq.tokens), f"request {seq.ref} was not sampled"
         seq.tokens.append(int(token_id))
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: KVSequence) -> None:
         """A running request is done: free its blocks and unpin segments it was last to need."""
-        assert seq.kind == "request" and seq.status == RUNNING, f"request {seq.ref} not running"
+        assert seq.kind is REQUEST and seq.status == RUNNING, f"request {seq.ref} not running"
         self._release_request(seq)
         self._num_finished += 1
 
@@ -214,7 +216,7 @@ class Scheduler:
 
     def _build_iteration(self) -> list[ScheduledChunk]:
         chunks: list[ScheduledChunk] = []
-        scheduled: set[Sequence] = set()
+        scheduled: set[KVSequence] = set()
         for seq in list(self._running):
             if (
                 seq.status == RUNNING
@@ -250,22 +252,18 @@ class Scheduler:
                     budget -= chunk.length
         return chunks
 
-    def _is_decode(self, seq: Sequence) -> bool:
+    def _is_decode(self, seq: KVSequence) -> bool:
         return (
-            seq.kind == "request"
+            seq.kind is REQUEST
             and seq.num_computed >= seq.prompt_length
             and len(seq.tokens) - seq.num_computed == 1
         )
 
-    def _decode_block(self, seq: Sequence, scheduled: set[Sequence]) -> bool:
+    def _decode_block(self, seq: KVSequence, scheduled: set[KVSequence]) -> bool:
         """Cover the decode token with a block, preempting youngest first; False if seq lost."""
         while self.blocks.blocks_for(seq.num_computed + 1) > len(seq.blocks) + self.blocks.num_free:
             victim = max(
-                (
-                    r
-                    for r in self._running
-                    if r.kind == "request" and r.blocks and r not in scheduled
-                ),
+                (r for r in self._running if r.kind is REQUEST and r.blocks and r not in scheduled),
                 key=lambda r: r.arrival,
             )
             self._preempt(victim)
@@ -274,13 +272,13 @@ class Scheduler:
         self._cover(seq, seq.num_computed + 1)
         return True
 
-    def _prefill_chunk(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
+    def _prefill_chunk(self, seq: KVSequence, budget: int) -> ScheduledChunk | None:
         """The next chunk of a running sequence, limited by budget and free blocks; no preemption."""
         if not all(self._pins.is_ready(segment_id) for segment_id in seq.chain):
             return None
         start = seq.num_computed
         length = min(len(seq.tokens) - start, budget)
-        if seq.kind == "request":
+        if seq.kind is REQUEST:
             coverable = (len(seq.blocks) + self.blocks.num_free) * self.blocks.block_size - start
             length = min(length, coverable)
             if length > 0:
@@ -288,11 +286,11 @@ class Scheduler:
         if length <= 0:
             return None
         end = start + length
-        return ScheduledChunk(seq, start, length, seq.kind == "request" and end == len(seq.tokens))
+        return ScheduledChunk(seq, start, length, seq.kind is REQUEST and end == len(seq.tokens))
 
     # ------------------------------------------------------------------ admission
 
-    def _peek_waiting(self) -> Sequence | None:
+    def _peek_waiting(self) -> KVSequence | None:
         if not self._waiting:
             self._materialize_next()
         return self._waiting[0] if self._waiting else None
@@ -307,9 +305,9 @@ class Scheduler:
         prefix = self.plan.segments[chain[-1]].end if chain else 0
         tokens = [int(token) for token in request.token_ids[prefix:]]
         assert tokens, f"request {request.request_id} has no own token to sample from"
-        sequence = Sequence.waiting(
+        sequence = KVSequence.waiting(
             next(self._seq_ids),
-            "request",
+            REQUEST,
             request.request_id,
             chain,
             prefix,
@@ -318,7 +316,7 @@ class Scheduler:
         )
         self._waiting.append(sequence)
 
-    def _never_fits(self, seq: Sequence) -> str | None:
+    def _never_fits(self, seq: KVSequence) -> str | None:
         chain_blocks = self._pins.chain_blocks(seq.chain)
         own_blocks = self.blocks.blocks_for(len(seq.tokens) + 1)
         if chain_blocks + own_blocks <= self.blocks.num_blocks:
@@ -330,11 +328,11 @@ class Scheduler:
             f"{chain_blocks + own_blocks} > num_blocks={self.blocks.num_blocks}"
         )
 
-    def _target_blocks(self, seq: Sequence) -> int:
+    def _target_blocks(self, seq: KVSequence) -> int:
         remaining = max(0, seq.max_tokens - seq.num_generated)
         return self.blocks.blocks_for(len(seq.tokens) + math.ceil(self.decode_reserve * remaining))
 
-    def _fits(self, seq: Sequence) -> bool:
+    def _fits(self, seq: KVSequence) -> bool:
         new_segments = self._pins.chain_blocks(seq.chain, missing_only=True)
         if self._num_running_requests == 0:
             least = min(self._target_blocks(seq), self.blocks.blocks_for(len(seq.tokens) + 1))
@@ -342,11 +340,11 @@ class Scheduler:
         committed = sum(
             max(0, self._target_blocks(r) - len(r.blocks))
             for r in self._running
-            if r.kind == "request"
+            if r.kind is REQUEST
         )
         return new_segments + self._target_blocks(seq) + committed <= self.blocks.num_free
 
-    def _admit(self, seq: Sequence) -> list[Sequence]:
+    def _admit(self, seq: KVSequence) -> list[KVSequence]:
         """Start seq (head of the queue) and, ahead of it, segment sequences for its chain."""
         assert self._waiting[0] is seq, "only the head of the waiting queue is admitted"
         self._waiting.popleft()
@@ -354,8 +352,8 @@ class Scheduler:
         for index, segment_id in enumerate(seq.chain):
             if self._pins.live[segment_id] is None:
                 segment = self.plan.segments[segment_id]
-                segment_seq = Sequence.waiting(
-                    next(self._seq_ids), "segment", segment_id, seq.chain[:index], segment.start,
+                segment_seq = KVSequence.waiting(
+                    next(self._seq_ids), SEGMENT, segment_id, seq.chain[:index], segment.start,
                     list(segment.token_ids), 0,
                 )  # fmt: skip
                 segment_seq.blocks = self.blocks.allocate(self._pins.need[segment_id])
@@ -371,13 +369,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ memory and progress
 
-    def _cover(self, seq: Sequence, tokens: int) -> None:
+    def _cover(self, seq: KVSequence, tokens: int) -> None:
         missing = self.blocks.blocks_for(tokens) - len(seq.blocks)
         if missing > 0:
             seq.blocks.extend(self.blocks.allocate(missing))
 
-    def _preempt(self, seq: Sequence) -> None:
-        assert seq.kind == "request" and seq.status == RUNNING, "only running requests preempt"
+    def _preempt(self, seq: KVSequence) -> None:
+        assert seq.kind is REQUEST and seq.status == RUNNING, "only running requests preempt"
         self._running.remove(seq)
         self._num_running_requests -= 1
         self.blocks.free(seq.blocks)
@@ -387,7 +385,7 @@ class Scheduler:
 
     def _unstick(self) -> None:
         """Nothing was schedulable: change state so that the next try schedules something."""
-        requests = [r for r in self._running if r.kind == "request"]
+        requests = [r for r in self._running if r.kind is REQUEST]
         holders = [r for r in requests if r.blocks]
         if holders:
             self._preempt(max(holders, key=lambda r: r.arrival))
@@ -422,12 +420,12 @@ class Scheduler:
             group = requests[self._waiting[-1].ref].group_id
             fresh += 1
 
-    def _reject(self, seq: Sequence, message: str) -> None:
+    def _reject(self, seq: KVSequence, message: str) -> None:
         self._waiting.remove(seq)
         self._release_request(seq)
         self.rejected.append((seq.ref, message))
 
-    def _release_request(self, seq: Sequence) -> None:
+    def _release_request(self, seq: KVSequence) -> None:
         if seq.status == RUNNING:
             self._running.remove(seq)
             self._num_running_requests -= 1

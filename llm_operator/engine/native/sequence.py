@@ -1,4 +1,4 @@
-"""Sequence and ScheduledChunk: the units of KV work the scheduler hands the model runner.
+"""KVSequence and ScheduledChunk: the units of KV work the scheduler hands the model runner.
 
 Positions of a sequence (region map):
 
@@ -10,20 +10,32 @@ Positions of a sequence (region map):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
-WAITING = "waiting"  # not admitted, or preempted: holds no blocks
-RUNNING = "running"  # admitted: computing its own tokens (requests: and decoding)
-READY = "ready"  # segment whose K/V are all computed: pinned, readable by its members
-FINISHED = "finished"  # request finished or rejected; segment released or evicted
+
+class Status(str, Enum):
+    WAITING = "waiting"  # not admitted, or preempted: holds no blocks
+    RUNNING = "running"  # admitted: computing its own tokens (requests: and decoding)
+    READY = "ready"  # segment whose K/V are all computed: pinned, readable by its members
+    FINISHED = "finished"  # request finished or rejected; segment released or evicted
+
+
+class Kind(str, Enum):
+    SEGMENT = "segment"  # a shared plan segment: prefilled once, then pinned
+    REQUEST = "request"  # a request: its own suffix, then decode
+
+
+WAITING, RUNNING, READY, FINISHED = Status.WAITING, Status.RUNNING, Status.READY, Status.FINISHED
+SEGMENT, REQUEST = Kind.SEGMENT, Kind.REQUEST
 
 
 @dataclass(eq=False)
-class Sequence:
+class KVSequence:
     """One plan segment (prefilled once, then pinned) or one request (prefill, then decode)."""
 
     seq_id: int
-    kind: str  # "segment" | "request"
-    ref: int  # segment_id or request_id in the plan
+    kind: Kind
+    ref: int  # SEGMENT: the plan's segment_id; REQUEST: the plan's request_id
     chain: tuple[int, ...]  # READY segments read (outermost first); a segment: its ancestors
     prefix_length: int  # tokens covered by chain: the position of own token 0
     tokens: list[int]  # own tokens: segment tokens, or request suffix + generated so far
@@ -32,11 +44,11 @@ class Sequence:
     max_tokens: int  # requests: decode budget from the plan; segments: 0
     arrival: int  # admission order, renewed on re-admission; -1 before the first
     prompt_length: int  # own prompt tokens; tokens[prompt_length:] were generated
-    status: str = WAITING
+    status: Status = WAITING
 
     @classmethod
-    def waiting(cls, seq_id: int, kind: str, ref: int, chain: tuple[int, ...], prefix_length: int,
-                tokens: list[int], max_tokens: int) -> Sequence:  # fmt: skip
+    def waiting(cls, seq_id: int, kind: Kind, ref: int, chain: tuple[int, ...], prefix_length: int,
+                tokens: list[int], max_tokens: int) -> KVSequence:  # fmt: skip
         """A new sequence: nothing computed, no blocks, never admitted."""
         return cls(
             seq_id, kind, ref, chain, prefix_length, tokens, 0, [], max_tokens, -1, len(tokens)
@@ -52,7 +64,7 @@ class Sequence:
 class ScheduledChunk:
     """Own tokens ``seq.tokens[start:start+length]`` to compute this iteration."""
 
-    seq: Sequence
+    seq: KVSequence
     start: int  # == seq.num_computed when scheduled
     length: int  # >= 1
     sample: bool  # a request chunk ending at its last own token: sample the next token

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any, Protocol
 
-from llm_operator.table_prompt import Field, TablePrompt, field_texts
+from llm_operator.prompts.table import Field, TablePrompt, field_texts
 
 EXHAUSTIVE_FIELDS = 8
 """Blocks of up to this many movable fields are ordered exactly (2^k distinct counts)."""

@@ -1,6 +1,6 @@
 """Check and time the Triton attention kernels on a CUDA GPU (one prepared run, ~6 minutes).
 
-    python kernels/bench_kernels.py --out DIR [--model PATH] [--budget SECONDS]
+    python llm_operator_bench/kernels.py --out DIR [--model PATH] [--budget SECONDS]
 
 Sections (each fails soft: an error is recorded and the next section runs):
 
@@ -436,7 +436,7 @@ def section_timing(budget: Budget, share: float, copy_gbs: float | None) -> dict
 
 def section_engine(args: argparse.Namespace, budget: Budget) -> dict:
     from llm_operator import LLMOperator, SamplingParams
-    from llm_operator.bench.workloads import make_workload
+    from llm_operator_bench.workloads import make_workload
 
     result: dict[str, Any] = {"model": args.model, "workload": args.workload}
     started = time.perf_counter()
@@ -520,7 +520,7 @@ def run_vllm(args, budget: Budget, model_path: str, token_ids, max_tokens) -> di
     if args.skip_vllm:
         return {"skipped": "--skip-vllm"}
     try:
-        from llm_operator.bench.vllm_systems import find_vllm_python, run_vllm_job
+        from llm_operator_bench.vllm_systems import find_vllm_python, run_vllm_job
 
         python = find_vllm_python()
     except Exception as error:  # noqa: BLE001 - VLLMUnavailable and import problems

@@ -1,4 +1,4 @@
-"""One benchmarked system in its own process: ``python -m llm_operator.bench.worker JOB RESULT``.
+"""One benchmarked system in its own process: ``python -m llm_operator_bench.worker JOB RESULT``.
 
 A fresh process per system keeps the figures apart: model load time, peak memory (the
 process's peak resident set, reset before each run) and no state left by another system.
@@ -30,7 +30,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from llm_operator.bench.decode_steps import backend_decode_profile
+from llm_operator_bench.decode_steps import backend_decode_profile
 
 
 def reset_peak_rss() -> None:
@@ -191,7 +191,7 @@ class StaticSystem:
         self.load_seconds = timer.seconds
 
     def run(self, workload: dict[str, Any]) -> dict[str, Any]:
-        from llm_operator.bench.hf_static import run_hf_static
+        from llm_operator_bench.hf_static import run_hf_static
 
         order = workload["order"]
         static = run_hf_static(

@@ -16,9 +16,9 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from llm_operator.bench.flops import ModelShape, attention_keys, work_flop
-from llm_operator.bench.rate import rate_for
-from llm_operator.bench.systems import BASELINE, VLLM_REFERENCE, SystemSpec, runs_on
+from llm_operator_bench.flops import ModelShape, attention_keys, work_flop
+from llm_operator_bench.rate import rate_for
+from llm_operator_bench.systems import BASELINE, VLLM_REFERENCE, SystemSpec, runs_on
 
 
 def _normalize(ids: Sequence[int], eos_ids: set[int]) -> list[int]:
@@ -69,7 +69,7 @@ def output_labels(
     workload: dict, generated: Sequence[Sequence[int]], decode: Callable[[list[int]], str]
 ) -> list[str | None]:
     """Each row's output read as one of its labels (None: it names none); module doc."""
-    from llm_operator.demo_data import parse_label
+    from llm_operator_bench.demo_data import parse_label
 
     labels = []
     for ids, choices in zip(generated, workload["choices"]):

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from llm_operator.bench.flops import ModelShape, model_shape
+from llm_operator_bench.flops import ModelShape, model_shape
 
 BANDWIDTH_BYTES = 512 << 20
 WARM_TOKENS = 8  # tokens of the short vLLM run (prefill + the first decode steps)
@@ -95,7 +95,7 @@ def step_floor(
 def build_rows(operator, prefix_tokens: int, rows: int, seed: int) -> tuple[list, list[list[int]]]:
     """``rows`` chat prompts over one shared document of about ``prefix_tokens`` tokens,
     each asking its own question; (prompts, their token ids as the operator tokenizes)."""
-    from llm_operator.bench import text
+    from llm_operator_bench import text
 
     rng = random.Random(seed)
 
@@ -166,9 +166,9 @@ def run_decode_bench(
     import torch
 
     from llm_operator import LLMOperator
-    from llm_operator.bench.rate import measure_matmul_rate
-    from llm_operator.bench.runner import machine_info, run_worker_system
-    from llm_operator.bench.systems import SystemSpec
+    from llm_operator_bench.rate import measure_matmul_rate
+    from llm_operator_bench.runner import machine_info, run_worker_system
+    from llm_operator_bench.systems import SystemSpec
 
     for value, label in ((rows, "rows"), (prefixes, "prefix tokens")):
         if not value or any(int(v) < 1 for v in value):
@@ -299,7 +299,7 @@ def _run_vllm(
     eager: bool = False,
 ) -> dict[str, Any]:
     """vLLM's decode step per workload from two decode lengths (see the module docstring)."""
-    from llm_operator.bench.vllm_systems import VLLMRunError, VLLMUnavailable, run_vllm_job
+    from llm_operator_bench.vllm_systems import VLLMRunError, VLLMUnavailable, run_vllm_job
 
     runs = []
     for w in workloads:

@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llm_operator.bench.flops import ModelShape, model_shape
-from llm_operator.bench.rate import RATE_DTYPES, describe_rate, measure_matmul_rate
-from llm_operator.bench.records import build_records
-from llm_operator.bench.report import markdown_table, write_chart
-from llm_operator.bench.runner import (
+from llm_operator_bench.flops import ModelShape, model_shape
+from llm_operator_bench.rate import RATE_DTYPES, describe_rate, measure_matmul_rate
+from llm_operator_bench.records import build_records
+from llm_operator_bench.report import markdown_table, write_chart
+from llm_operator_bench.runner import (
     Log,
     _stderr,
     machine_info,
@@ -22,13 +22,13 @@ from llm_operator.bench.runner import (
     run_vllm_systems,
     run_worker_system,
 )
-from llm_operator.bench.systems import BASELINE, SystemSpec, parse_systems, runs_on
-from llm_operator.bench.vllm_systems import VLLMUnavailable, find_vllm_python
+from llm_operator_bench.systems import BASELINE, SystemSpec, parse_systems, runs_on
+from llm_operator_bench.vllm_systems import VLLMUnavailable, find_vllm_python
 
 
 def parse_workloads(text: str | None) -> list[str]:
     """Comma-separated workload names; "all": every workload; None: ``DEFAULT_WORKLOADS``."""
-    from llm_operator.bench.workloads import DEFAULT_WORKLOADS, WORKLOAD_NAMES
+    from llm_operator_bench.workloads import DEFAULT_WORKLOADS, WORKLOAD_NAMES
 
     if text is None:
         return list(DEFAULT_WORKLOADS)

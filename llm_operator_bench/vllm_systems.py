@@ -2,7 +2,7 @@
 
 vLLM pins its own torch and transformers, so it lives in a separate venv
 (``make vllm-env`` builds ``.venv-vllm``); this module imports neither vLLM nor torch.
-``run_vllm_job`` writes a JOB file, runs ``python -m llm_operator.bench.vllm_runner JOB
+``run_vllm_job`` writes a JOB file, runs ``python -m llm_operator_bench.vllm_runner JOB
 RESULT`` with that venv's python and returns the parsed RESULT (formats in
 ``bench.vllm_runner``).
 
@@ -202,7 +202,7 @@ def run_vllm_job(
         command = [
             interpreter,
             "-m",
-            "llm_operator.bench.vllm_runner",
+            "llm_operator_bench.vllm_runner",
             str(job_path),
             str(result_path),
         ]

@@ -35,7 +35,7 @@ def generate(
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
         raise ValueError(f"partitions must be an int >= 1, got {partitions!r}")
-    from llm_operator.integrations._partition import get_operator, make_options
+    from llm_operator.integrations.partition import get_operator, make_options
 
     checked = make_options(model=model, **options)  # every option checked before any work
     started = time.perf_counter()

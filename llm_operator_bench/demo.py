@@ -47,7 +47,7 @@ def run_demo(
 ) -> int:
     """options: engine options (``llm_operator.options``) for every engine the demo runs."""
     from llm_operator import LLMOperator
-    from llm_operator.demo_data import build_demo_rows
+    from llm_operator_bench.demo_data import build_demo_rows
 
     rows = build_demo_rows(limit=limit)
     print(f"demo: {len(rows)} rows over {len({r['task'] for r in rows})} tasks, model {model}")
@@ -101,7 +101,7 @@ def classify(
     """The demo's rows through ``engine``: "local" runs ``op`` once with a SamplingParams
     per row; "spark" and "dask" run ``integrations.engines.generate`` once per task with
     choices (its options are per call) and once for all rows without."""
-    from llm_operator.demo_data import parse_label
+    from llm_operator_bench.demo_data import parse_label
 
     prompts = [row["messages"] for row in rows]
     if engine == "local":
@@ -109,7 +109,7 @@ def classify(
         stats = op.last_stats
         seconds, calls = stats.seconds, 1
     else:
-        from llm_operator.integrations.engines import generate
+        from llm_operator.cli.engines import generate
 
         groups: dict[tuple[str, ...] | None, list[int]] = {}
         for index, row in enumerate(rows):
@@ -261,7 +261,7 @@ def _compare_engines(rows: list[dict], *, op, model: str, options: dict, partiti
 def _compare_static(op, rows: list[dict], free: Classified | None) -> None:
     """Plain HF generate on fixed batches of the same size against our free generation
     (``free``, when it ran on the local engine; else run here), same rows, side by side."""
-    from llm_operator.bench.hf_static import run_hf_static
+    from llm_operator_bench.hf_static import run_hf_static
 
     if free is None:
         free = classify(

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from llm_operator.bench import text
-from llm_operator.bench.text import CountTokens
+from llm_operator_bench import text
+from llm_operator_bench.text import CountTokens
 
 __all__ = [
     "DEFAULT_WORKLOADS",

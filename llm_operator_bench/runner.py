@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from llm_operator.bench.systems import SystemSpec, runs_on
+from llm_operator_bench.systems import SystemSpec, runs_on
 
 Log = Callable[[str], None]
 
@@ -32,7 +32,7 @@ def _stderr(message: str) -> None:
 def prepare_workloads(operator, names: Sequence[str], *, size: str, seed: int) -> list[dict]:
     """Build, tokenize and plan each workload; rows that cannot run are a ValueError."""
     from llm_operator import SamplingParams
-    from llm_operator.bench.workloads import make_workload
+    from llm_operator_bench.workloads import make_workload
 
     prepared = []
     for name in names:
@@ -144,7 +144,7 @@ def run_worker_system(
         command = [
             python or sys.executable,
             "-m",
-            "llm_operator.bench.worker",
+            "llm_operator_bench.worker",
             str(job_path),
             str(result_path),
         ]
@@ -184,7 +184,7 @@ def run_vllm_systems(
 ) -> dict[str, dict]:
     """Run the vLLM systems, one engine per distinct ``vllm_engine_settings``; RESULT dict
     per system."""
-    from llm_operator.bench.vllm_systems import VLLMRunError, VLLMUnavailable, run_vllm_job
+    from llm_operator_bench.vllm_systems import VLLMRunError, VLLMUnavailable, run_vllm_job
 
     results: dict[str, dict] = {}
     engines: dict[tuple[bool, str, int | None], list[SystemSpec]] = {}

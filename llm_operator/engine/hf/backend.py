@@ -18,8 +18,8 @@ from collections import deque
 import torch
 from transformers.cache_utils import DynamicCache
 
-from llm_operator.engine.batch_cache import GROWTH_COLUMNS, DenseBatchCache, layers_of
-from llm_operator.engine.prefix_store import PrefixStore
+from llm_operator.engine.hf.batch_cache import GROWTH_COLUMNS, DenseBatchCache, layers_of
+from llm_operator.engine.hf.prefix_store import PrefixStore
 from llm_operator.engine.run import Request, Run
 from llm_operator.planner import PlannedRequest
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from llm_operator.bench.flops import ModelShape
+from llm_operator_bench.flops import ModelShape
 
 RATE_TOKENS = 1024
 RATE_DTYPES = ("float32", "bfloat16")

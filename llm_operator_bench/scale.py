@@ -2,8 +2,8 @@
 processes) with a tiny model, measuring rows/s and the peak memory (RSS) of the driver,
 the JVM and every Python worker; and the prefix planner's peak memory on one huge batch.
 
-    python -m llm_operator.bench.scale                      # 25k and 100k rows, both engines
-    python -m llm_operator.bench.scale --rows 2000 --engines dask --planner-prompts 0
+    python -m llm_operator_bench.scale                      # 25k and 100k rows, both engines
+    python -m llm_operator_bench.scale --rows 2000 --engines dask --planner-prompts 0
 
 Each (engine, rows) run is a fresh child process (its own SparkContext or LocalCluster),
 sampled from here every ``--interval`` seconds with its whole process tree. Partitions
@@ -421,8 +421,8 @@ def _child_dask(arguments: argparse.Namespace) -> dict[str, Any]:
 
 
 def _child_planner(arguments: argparse.Namespace) -> dict[str, Any]:
-    from llm_operator.bench.planner_scale import make_workload
     from llm_operator.planner import build_plan
+    from llm_operator_bench.planner_scale import make_workload
 
     started = time.perf_counter()
     prompts, max_tokens = make_workload(arguments.rows, arguments.prompt_tokens)
@@ -473,7 +473,7 @@ def child_main(arguments: argparse.Namespace) -> None:
 
 # -- the driver of it all ---------------------------------------------------------------------
 def _child_command(kind: str, rows: int, partitions: int, args, work: Path) -> list[str]:
-    command = [sys.executable, "-m", "llm_operator.bench.scale", "--child", kind]
+    command = [sys.executable, "-m", "llm_operator_bench.scale", "--child", kind]
     command += ["--rows", str(rows), "--partitions", str(partitions), "--work", str(work)]
     command += ["--model", str(args.model), "--max-tokens", str(args.max_tokens)]
     command += ["--cores", str(args.cores), "--threads", str(args.threads)]

@@ -84,7 +84,7 @@ def movielens_table(
 def table_rows_table(tokenizer: Any, rows: int = 120, seed: int = 0) -> tuple[Any, dict]:
     import pandas as pd
 
-    from llm_operator.bench.workloads import TABLE_INSTRUCTION, TABLE_SCHEMA, make_workload
+    from llm_operator_bench.workloads import TABLE_INSTRUCTION, TABLE_SCHEMA, make_workload
 
     workload = make_workload("table-rows", tokenizer, size="default", seed=seed, rows=rows)
     frame = pd.DataFrame(workload.table, columns=list(TABLE_SCHEMA))
@@ -106,7 +106,7 @@ def run_fields_bench(
     unknown = sorted(set(tables) - set(TABLES))
     if unknown:
         raise ValueError(f"unknown table(s) {unknown}; choose from {', '.join(TABLES)}")
-    from llm_operator.integrations._partition import STATS_LOG
+    from llm_operator.integrations.partition import STATS_LOG
     from llm_operator.integrations.spark_session import local_session
     from llm_operator.models import load_tokenizer, resolve_model
 
@@ -178,7 +178,7 @@ def _job(df, spec: dict, table_options: dict, co_located: bool, options: dict, p
     """One run; the outputs sorted by the row's own fields (Spark keeps no order)."""
     from llm_operator.integrations.spark import co_locate, llm_infer, llm_infer_df
     from llm_operator.integrations.spark_tables import prompt_column
-    from llm_operator.table_prompt import TablePrompt
+    from llm_operator.prompts.table import TablePrompt
 
     if co_located:
         prompt = TablePrompt.build(**spec)
@@ -202,7 +202,7 @@ def _partition_totals(log: Path) -> dict:
 
 def _field_plan(df, spec: dict) -> dict:
     from llm_operator.integrations.spark_tables import plan_table
-    from llm_operator.table_prompt import TablePrompt
+    from llm_operator.prompts.table import TablePrompt
 
     started = time.perf_counter()
     plan = plan_table(df, TablePrompt.build(**spec))
@@ -213,10 +213,10 @@ def _machine(model: str) -> dict:
     """The CPU and torch's fp32 linear rate on the model's shapes (measured now)."""
     import platform
 
-    from llm_operator.bench.flops import model_shape
-    from llm_operator.bench.rate import measure_matmul_rate
     from llm_operator.models import load_tokenizer, resolve_model
     from llm_operator.models.info import read_model_info
+    from llm_operator_bench.flops import model_shape
+    from llm_operator_bench.rate import measure_matmul_rate
 
     resolved = resolve_model(model)
     info = read_model_info(resolved.path, load_tokenizer(resolved.path))

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llm_operator.engine.batch_cache import layers_of
+from llm_operator.engine.hf.batch_cache import layers_of
 from llm_operator.engine.segment_pins import SegmentPins
 from llm_operator.planner import Plan, PlannedRequest
 
 if TYPE_CHECKING:
-    from llm_operator.engine.hf import HFBackend
+    from llm_operator.engine.hf.backend import HFBackend
 
 
 def kv_bytes_per_token(model) -> int:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from llm_operator.bench.rate import RATE_DTYPES, describe_rate
+from llm_operator_bench.rate import RATE_DTYPES, describe_rate
 
 DECODE_TABLE_WORKLOADS = ("long-answers",)
 

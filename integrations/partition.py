@@ -26,9 +26,9 @@ from typing import Any
 from llm_operator import options as option_table
 from llm_operator.config import EngineConfig
 from llm_operator.integrations.json_values import ValueType, parse_value, value_type
-from llm_operator.prompts import as_chat
+from llm_operator.prompts.encode import as_chat
+from llm_operator.prompts.table import TablePrompt, table_options
 from llm_operator.sampling import SamplingParams
-from llm_operator.table_prompt import TablePrompt, table_options
 
 logger = logging.getLogger("llm_operator.integrations")
 

@@ -1,6 +1,6 @@
 """How fast the prefix planner plans an ETL-shaped batch (no model involved).
 
-    python -m llm_operator.bench.planner_scale --prompts 100000
+    python -m llm_operator_bench.planner_scale --prompts 100000
 
 The synthetic workload: about 50 task prefixes (system prompt, instructions, few-shot
 examples; 60-80% of the prompt), each with a few second-level documents (4-16%), then a

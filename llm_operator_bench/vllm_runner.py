@@ -1,4 +1,4 @@
-"""vLLM's offline engine as a benchmarked system: ``python -m llm_operator.bench.vllm_runner JOB RESULT``.
+"""vLLM's offline engine as a benchmarked system: ``python -m llm_operator_bench.vllm_runner JOB RESULT``.
 
 Runs inside the vLLM venv (``make vllm-env``), so it imports only the standard library at
 the top and, inside functions, vLLM and ``engine.vllm_driver`` (the engine arguments,
@@ -188,7 +188,7 @@ def _check_model(job: dict[str, Any]) -> str:
 def _llm_kwargs(job: dict[str, Any], max_model_len: int) -> dict[str, Any]:
     """The engine's ``vllm.LLM`` arguments: plain vLLM (``batch_job=False``: its own block
     size, batch sizes) with the job's settings."""
-    from llm_operator.engine.vllm_driver import llm_kwargs
+    from llm_operator.engine.vllm.driver import llm_kwargs
 
     model = _check_model(job)
     options: dict[str, Any] = {"enable_prefix_caching": bool(job.get("prefix_caching", True))}
@@ -215,7 +215,7 @@ def _generate(
 ) -> list[Any]:
     """Greedy completions in one ``LLM.generate`` call, in the order given (``choices``:
     per prompt, the strings its output is one of, or None)."""
-    from llm_operator.engine.vllm_driver import sampling_params, tokens_prompt
+    from llm_operator.engine.vllm.driver import sampling_params, tokens_prompt
     from llm_operator.sampling import SamplingParams
 
     params = [
@@ -273,7 +273,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
 
     import vllm
 
-    from llm_operator.engine.vllm_driver import start_engine
+    from llm_operator.engine.vllm.driver import start_engine
 
     kwargs = _llm_kwargs(job, int(max_model_len))
     log(f"starting vLLM {vllm.__version__}: {kwargs}")
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
         print(
-            "usage: python -m llm_operator.bench.vllm_runner JOB.json RESULT.json", file=sys.stderr
+            "usage: python -m llm_operator_bench.vllm_runner JOB.json RESULT.json", file=sys.stderr
         )
         return 2
     job_path, result_path = Path(args[0]), Path(args[1])

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import textwrap
 
-from llm_operator.bench.systems import BASELINE, SYSTEMS
-from llm_operator.bench.workloads import WORKLOAD_NAMES, WORKLOAD_SUMMARIES
+from llm_operator_bench.systems import BASELINE, SYSTEMS
+from llm_operator_bench.workloads import WORKLOAD_NAMES, WORKLOAD_SUMMARIES
 
 
 def catalog_text(width: int = 100) -> str:

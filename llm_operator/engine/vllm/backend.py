@@ -54,7 +54,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from llm_operator.engine.run import Request, Run
-from llm_operator.engine.vllm_driver import (
+from llm_operator.engine.vllm.driver import (
     HOW_TO_GET_VLLM,
     VLLMEngine,
     engine_input,

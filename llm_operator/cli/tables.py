@@ -65,7 +65,7 @@ def write_table(table: pa.Table, path: str | Path) -> None:
 
 def prompts_from_table(table: pa.Table, *, prompt_col: str) -> list:
     """One prompt per row: the column's values (non-strings become error rows in generate).
-    Prompts built from several columns: ``llm_operator.table_prompt``."""
+    Prompts built from several columns: ``llm_operator.prompts.table``."""
     columns = table.column_names
     if prompt_col not in columns:
         raise ValueError(

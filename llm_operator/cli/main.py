@@ -70,113 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the statistics as JSON")
     option_table.add_arguments(plan)
 
-    from llm_operator.bench.catalog import catalog_text
+    from llm_operator_bench.cli import add_commands
 
-    bench = commands.add_parser(
-        "bench",
-        help="measure every system side by side (or, with 'planner', the planner alone)",
-        # raw text (the formatter keeps these line breaks and the epilog's columns)
-        description="Run the benchmark workloads through every system in one run and write\n"
-        "<out>/<name>.json, .md and .png. 'bench planner' times the prefix planner alone;\n"
-        "'bench decode' times decode steps of native and vLLM against the machine's floor.",
-        epilog=catalog_text(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    bench.add_argument(
-        "target",
-        nargs="?",
-        default="systems",
-        choices=["systems", "planner", "fields", "decode"],
-        help="systems (default), planner, fields (field order and dedupe through Spark "
-        "local: --tables, --repeat), or decode (decode steps against the floor: "
-        "--batch-rows, --prefix-tokens, --dtypes, --decode-tokens, --repeat)",
-    )
-    bench.add_argument(
-        "--model", default=DEFAULT_MODEL, help="alias, Hugging Face model directory or .gguf file"
-    )
-    bench.add_argument(
-        "--quick", action="store_true", help="small workloads (about 2 minutes on 2 CPU cores)"
-    )
-    bench.add_argument(
-        "--size",
-        choices=["tiny", "quick", "default"],
-        help="workload sizes (default: default, or quick with --quick; tiny fits a 256-token model)",
-    )
-    bench.add_argument("--systems", help="comma-separated systems, or 'all' (the default)")
-    bench.add_argument(
-        "--workloads", help="comma-separated workloads, or 'all' (default: all but classify)"
-    )
-    bench.add_argument("--repeat", type=int, default=1, help="runs per system; medians reported")
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
-    bench.add_argument("--name", help="file name of the results (default: bench-<size>)")
-    bench.add_argument("--static-batch-size", type=int, default=16, help="rows per hf-static batch")
-    bench.add_argument(
-        "--kv-cache-gib", type=float, default=4.0, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)"
-    )
-    bench.add_argument(
-        "--vllm-block-size",
-        type=int,
-        help="vLLM's KV block size (default: vLLM's own, 128 tokens on CPU; a multiple of 32)",
-    )
-    bench.add_argument(
-        "--vllm-eager",
-        action="store_true",
-        help="start vLLM without torch.compile (seconds instead of a minute; --quick sets it)",
-    )
-    bench.add_argument("--vllm-python", help="python of a venv with vllm (default: .venv-vllm)")
-    bench.add_argument("--timeout", type=float, help="seconds allowed per system")
-    bench.add_argument(
-        "--prompts", default="10000,100000,1000000", help="planner: batch sizes, comma-separated"
-    )
-    bench.add_argument("--prompt-tokens", type=int, default=500, help="planner: tokens per prompt")
-    bench.add_argument(
-        "--tables",
-        default="movielens,movielens-users,table-rows",
-        help="fields: tables, comma-separated",
-    )
-    bench.add_argument("--rows", type=int, help="fields: rows per table (default 600 / 120)")
-    bench.add_argument(
-        "--batch-rows", default="1,4,16,64", help="decode: rows decoding at once, comma-separated"
-    )
-    bench.add_argument(
-        "--prefix-tokens", default="1000", help="decode: shared prefix lengths, comma-separated"
-    )
-    bench.add_argument(
-        "--dtypes", default="float32,bfloat16", help="decode: dtypes, comma-separated"
-    )
-    bench.add_argument(
-        "--decode-tokens",
-        type=int,
-        default=64,
-        help="decode: steps timed per row (vLLM: the difference of two decode lengths)",
-    )
-
-    demo = commands.add_parser("demo", help="classify the bundled reviews and tickets with SmolLM2")
-    _add_model_option(demo)
-    demo.add_argument("--limit", type=int, help="only the first N rows")
-    demo.add_argument("--output", type=Path, default=Path("demo-results/demo.jsonl"))
-    demo.add_argument(
-        "--compare-static", action="store_true", help="also run plain HF generate on fixed batches"
-    )
-    demo.add_argument(
-        "--engine",
-        default="spark",
-        choices=["local", "spark", "dask"],
-        help="where the job runs (default: Spark in local mode)",
-    )
-    demo.add_argument("--partitions", type=int, default=2, help="partitions for spark and dask")
-    demo.add_argument(
-        "--compare-engines",
-        action="store_true",
-        help="also run the rows through local, spark and dask side by side",
-    )
-    demo.add_argument(
-        "--compare-free",
-        action="store_true",
-        help="also generate freely (no choices, up to a newline) and compare the labels",
-    )
-    option_table.add_arguments(demo, ["engine"])
+    add_commands(commands, _add_model_option)
     return parser
 
 
@@ -196,9 +92,9 @@ class Loaded(NamedTuple):
 def _load_prompts(args) -> Loaded:
     """The table and one prompt per row (``--prompt-col``, or rendered from
     ``--template``/``--columns``); table options are checked before the table is read."""
-    from llm_operator.field_order import ArrowStatistics, plan_fields
-    from llm_operator.table_prompt import render_arrow, table_options
-    from llm_operator.tables import prompts_from_table, read_table
+    from llm_operator.cli.tables import prompts_from_table, read_table
+    from llm_operator.prompts.field_order import ArrowStatistics, plan_fields
+    from llm_operator.prompts.table import render_arrow, table_options
 
     options = option_table.from_arguments(args)
     for name in TABLE_OPTIONS:
@@ -225,9 +121,9 @@ def _load_prompts(args) -> Loaded:
 
 
 def command_run(args) -> int:
-    from llm_operator.integrations._partition import dedupe
-    from llm_operator.integrations.engines import generate
-    from llm_operator.tables import add_result_columns, table_format, write_table
+    from llm_operator.cli.engines import generate
+    from llm_operator.cli.tables import add_result_columns, table_format, write_table
+    from llm_operator.integrations.partition import dedupe
 
     table_format(args.output)  # fail on a bad output name before any work
     table, prompts, fields, options, _, deduplicate = _load_prompts(args)
@@ -269,8 +165,8 @@ def command_run(args) -> int:
 def _run_checkpointed(args, prompts: list, options: dict):
     """``generate`` chunk by chunk, each finished chunk saved in the checkpoint folder;
     chunks already there are not run again."""
-    from llm_operator.checkpoint import Checkpoint, fingerprint
-    from llm_operator.integrations.engines import generate
+    from llm_operator.cli.checkpoint import Checkpoint, fingerprint
+    from llm_operator.cli.engines import generate
 
     started = time.perf_counter()
     checkpoint = Checkpoint(
@@ -299,10 +195,10 @@ def command_plan(args) -> int:
     """The prefix-sharing plan from the tokenizer alone. With --template or --columns,
     the plans of the given field order and of the order --reorder-fields chooses."""
     from llm_operator import LLMOperator, SamplingParams
-    from llm_operator.field_order import ArrowStatistics, plan_fields
-    from llm_operator.integrations._partition import dedupe
-    from llm_operator.prompts import as_chat
-    from llm_operator.table_prompt import render_arrow
+    from llm_operator.integrations.partition import dedupe
+    from llm_operator.prompts.encode import as_chat
+    from llm_operator.prompts.field_order import ArrowStatistics, plan_fields
+    from llm_operator.prompts.table import render_arrow
 
     table, prompts, fields, options, given, deduplicate = _load_prompts(args)
     chosen = option_table.split(options)
@@ -350,103 +246,12 @@ def command_plan(args) -> int:
     return 0
 
 
-def _integers(text: str, name: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"{name} must be comma-separated integers, got {text!r}") from None
-
-
-def command_bench(args) -> int:
-    if args.target == "decode":
-        from llm_operator.bench.decode_bench import run_decode_bench
-
-        run_decode_bench(
-            model=args.model,
-            rows=_integers(args.batch_rows, "--batch-rows"),
-            prefixes=_integers(args.prefix_tokens, "--prefix-tokens"),
-            dtypes=[d.strip() for d in args.dtypes.split(",") if d.strip()],
-            systems=[s.strip() for s in (args.systems or "native,vllm").split(",") if s.strip()],
-            decode_tokens=args.decode_tokens,
-            repeat=max(1, args.repeat),
-            seed=args.seed,
-            vllm_block_size=args.vllm_block_size or 32,
-            vllm_python=args.vllm_python,
-            vllm_eager=args.vllm_eager,
-            kv_cache_gib=args.kv_cache_gib,
-            timeout=args.timeout,
-            out=args.out,
-            name=args.name or "bench-decode",
-        )
-        return 0
-    if args.target == "fields":
-        from llm_operator.bench.fields import run_fields_bench
-
-        sizes = {} if args.rows is None else {"movielens_rows": args.rows, "table_rows": args.rows}
-        run_fields_bench(
-            model=args.model,
-            tables=[name.strip() for name in args.tables.split(",") if name.strip()],
-            repeat=args.repeat,
-            out=args.out / f"{args.name or 'bench-fields'}.json",
-            **sizes,
-        )
-        return 0
-    if args.target == "planner":
-        from llm_operator.bench.planner_scale import run_planner_suite
-
-        sizes = [int(text) for text in args.prompts.split(",") if text.strip()]
-        run_planner_suite(sizes, args.prompt_tokens, seed=args.seed, out=args.out / "planner.json")
-        return 0
-    from llm_operator.bench.suite import run_benchmark
-
-    report = run_benchmark(
-        model=args.model,
-        systems=args.systems,
-        workloads=args.workloads,
-        size=args.size or ("quick" if args.quick else "default"),
-        repeat=args.repeat,
-        seed=args.seed,
-        out_dir=args.out,
-        name=args.name,
-        static_batch_size=args.static_batch_size,
-        kv_cache_gib=args.kv_cache_gib,
-        vllm_block_size=args.vllm_block_size,
-        vllm_eager=args.vllm_eager or args.quick,
-        vllm_python=args.vllm_python,
-        timeout=args.timeout,
-    )
-    from llm_operator.bench.report import markdown_table
-
-    print(markdown_table(report["results"], [{**w, "summary": w} for w in report["workloads"]]))
-    failed = [r for r in report["results"] if r["status"] == "failed"]
-    return 1 if failed else 0
-
-
-def command_demo(args) -> int:
-    from llm_operator.demo import run_demo
-
-    return run_demo(
-        model=args.model,
-        limit=args.limit,
-        output=args.output,
-        compare_static=args.compare_static,
-        engine=args.engine,
-        partitions=args.partitions,
-        compare_engines=args.compare_engines,
-        compare_free=args.compare_free,
-        options=option_table.from_arguments(args, ["engine"]),
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    handlers = {
-        "run": command_run,
-        "plan": command_plan,
-        "bench": command_bench,
-        "demo": command_demo,
-    }
+    from llm_operator_bench.cli import COMMANDS
+
+    handlers = {"run": command_run, "plan": command_plan, **COMMANDS}
     started = time.perf_counter()
     try:
         return handlers[args.command](args)

@@ -1,0 +1,213 @@
+"""The ``bench`` and ``demo`` commands of ``llm-operator`` (their options and handlers).
+
+The library's command line (``llm_operator.cli``) adds these to its parser; nothing in
+``llm_operator`` imports this package otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+from llm_operator import options as option_table
+
+
+def add_commands(commands, add_model_option: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Add ``bench`` and ``demo`` to the subparsers `commands`."""
+    from llm_operator_bench.catalog import catalog_text
+
+    bench = commands.add_parser(
+        "bench",
+        help="measure every system side by side (or, with 'planner', the planner alone)",
+        # raw text (the formatter keeps these line breaks and the epilog's columns)
+        description="Run the benchmark workloads through every system in one run and write\n"
+        "<out>/<name>.json, .md and .png. 'bench planner' times the prefix planner alone;\n"
+        "'bench decode' times decode steps of native and vLLM against the machine's floor.",
+        epilog=catalog_text(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument(
+        "target",
+        nargs="?",
+        default="systems",
+        choices=["systems", "planner", "fields", "decode"],
+        help="systems (default), planner, fields (field order and dedupe through Spark "
+        "local: --tables, --repeat), or decode (decode steps against the floor: "
+        "--batch-rows, --prefix-tokens, --dtypes, --decode-tokens, --repeat)",
+    )
+    add_model_option(bench)
+    bench.add_argument(
+        "--quick", action="store_true", help="small workloads (about 2 minutes on 2 CPU cores)"
+    )
+    bench.add_argument(
+        "--size",
+        choices=["tiny", "quick", "default"],
+        help="workload sizes (default: default, or quick with --quick; tiny fits a 256-token model)",
+    )
+    bench.add_argument("--systems", help="comma-separated systems, or 'all' (the default)")
+    bench.add_argument(
+        "--workloads", help="comma-separated workloads, or 'all' (default: all but classify)"
+    )
+    bench.add_argument("--repeat", type=int, default=1, help="runs per system; medians reported")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
+    bench.add_argument("--name", help="file name of the results (default: bench-<size>)")
+    bench.add_argument("--static-batch-size", type=int, default=16, help="rows per hf-static batch")
+    bench.add_argument(
+        "--kv-cache-gib", type=float, default=4.0, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)"
+    )
+    bench.add_argument(
+        "--vllm-block-size",
+        type=int,
+        help="vLLM's KV block size (default: vLLM's own, 128 tokens on CPU; a multiple of 32)",
+    )
+    bench.add_argument(
+        "--vllm-eager",
+        action="store_true",
+        help="start vLLM without torch.compile (seconds instead of a minute; --quick sets it)",
+    )
+    bench.add_argument("--vllm-python", help="python of a venv with vllm (default: .venv-vllm)")
+    bench.add_argument("--timeout", type=float, help="seconds allowed per system")
+    bench.add_argument(
+        "--prompts", default="10000,100000,1000000", help="planner: batch sizes, comma-separated"
+    )
+    bench.add_argument("--prompt-tokens", type=int, default=500, help="planner: tokens per prompt")
+    bench.add_argument(
+        "--tables",
+        default="movielens,movielens-users,table-rows",
+        help="fields: tables, comma-separated",
+    )
+    bench.add_argument("--rows", type=int, help="fields: rows per table (default 600 / 120)")
+    bench.add_argument(
+        "--batch-rows", default="1,4,16,64", help="decode: rows decoding at once, comma-separated"
+    )
+    bench.add_argument(
+        "--prefix-tokens", default="1000", help="decode: shared prefix lengths, comma-separated"
+    )
+    bench.add_argument(
+        "--dtypes", default="float32,bfloat16", help="decode: dtypes, comma-separated"
+    )
+    bench.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=64,
+        help="decode: steps timed per row (vLLM: the difference of two decode lengths)",
+    )
+
+    demo = commands.add_parser("demo", help="classify the bundled reviews and tickets with SmolLM2")
+    add_model_option(demo)
+    demo.add_argument("--limit", type=int, help="only the first N rows")
+    demo.add_argument("--output", type=Path, default=Path("demo-results/demo.jsonl"))
+    demo.add_argument(
+        "--compare-static", action="store_true", help="also run plain HF generate on fixed batches"
+    )
+    demo.add_argument(
+        "--engine",
+        default="spark",
+        choices=["local", "spark", "dask"],
+        help="where the job runs (default: Spark in local mode)",
+    )
+    demo.add_argument("--partitions", type=int, default=2, help="partitions for spark and dask")
+    demo.add_argument(
+        "--compare-engines",
+        action="store_true",
+        help="also run the rows through local, spark and dask side by side",
+    )
+    demo.add_argument(
+        "--compare-free",
+        action="store_true",
+        help="also generate freely (no choices, up to a newline) and compare the labels",
+    )
+    option_table.add_arguments(demo, ["engine"])
+
+
+def _integers(text: str, name: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{name} must be comma-separated integers, got {text!r}") from None
+
+
+def command_bench(args) -> int:
+    if args.target == "decode":
+        from llm_operator_bench.decode_bench import run_decode_bench
+
+        run_decode_bench(
+            model=args.model,
+            rows=_integers(args.batch_rows, "--batch-rows"),
+            prefixes=_integers(args.prefix_tokens, "--prefix-tokens"),
+            dtypes=[d.strip() for d in args.dtypes.split(",") if d.strip()],
+            systems=[s.strip() for s in (args.systems or "native,vllm").split(",") if s.strip()],
+            decode_tokens=args.decode_tokens,
+            repeat=max(1, args.repeat),
+            seed=args.seed,
+            vllm_block_size=args.vllm_block_size or 32,
+            vllm_python=args.vllm_python,
+            vllm_eager=args.vllm_eager,
+            kv_cache_gib=args.kv_cache_gib,
+            timeout=args.timeout,
+            out=args.out,
+            name=args.name or "bench-decode",
+        )
+        return 0
+    if args.target == "fields":
+        from llm_operator_bench.fields import run_fields_bench
+
+        sizes = {} if args.rows is None else {"movielens_rows": args.rows, "table_rows": args.rows}
+        run_fields_bench(
+            model=args.model,
+            tables=[name.strip() for name in args.tables.split(",") if name.strip()],
+            repeat=args.repeat,
+            out=args.out / f"{args.name or 'bench-fields'}.json",
+            **sizes,
+        )
+        return 0
+    if args.target == "planner":
+        from llm_operator_bench.planner_scale import run_planner_suite
+
+        sizes = [int(text) for text in args.prompts.split(",") if text.strip()]
+        run_planner_suite(sizes, args.prompt_tokens, seed=args.seed, out=args.out / "planner.json")
+        return 0
+    from llm_operator_bench.suite import run_benchmark
+
+    report = run_benchmark(
+        model=args.model,
+        systems=args.systems,
+        workloads=args.workloads,
+        size=args.size or ("quick" if args.quick else "default"),
+        repeat=args.repeat,
+        seed=args.seed,
+        out_dir=args.out,
+        name=args.name,
+        static_batch_size=args.static_batch_size,
+        kv_cache_gib=args.kv_cache_gib,
+        vllm_block_size=args.vllm_block_size,
+        vllm_eager=args.vllm_eager or args.quick,
+        vllm_python=args.vllm_python,
+        timeout=args.timeout,
+    )
+    from llm_operator_bench.report import markdown_table
+
+    print(markdown_table(report["results"], [{**w, "summary": w} for w in report["workloads"]]))
+    failed = [r for r in report["results"] if r["status"] == "failed"]
+    return 1 if failed else 0
+
+
+def command_demo(args) -> int:
+    from llm_operator_bench.demo import run_demo
+
+    return run_demo(
+        model=args.model,
+        limit=args.limit,
+        output=args.output,
+        compare_static=args.compare_static,
+        engine=args.engine,
+        partitions=args.partitions,
+        compare_engines=args.compare_engines,
+        compare_free=args.compare_free,
+        options=option_table.from_arguments(args, ["engine"]),
+    )
+
+
+COMMANDS = {"bench": command_bench, "demo": command_demo}
