@@ -26,7 +26,9 @@ from typing import Any
 from llm_operator import options as option_table
 from llm_operator.config import EngineConfig
 from llm_operator.integrations.json_values import ValueType, parse_value, value_type
+from llm_operator.prompts.dedupe import dedupe
 from llm_operator.prompts.encode import as_chat
+from llm_operator.prompts.options import PromptOptions
 from llm_operator.prompts.table import TablePrompt, table_options
 from llm_operator.sampling import SamplingParams
 
@@ -91,19 +93,17 @@ def make_options(
             raise ValueError(f"{both} given both as keywords and in engine_options; give one")
         options = {**engine_options, **options}
     scoped = option_table.split(options)
-    prompt = {**option_table.defaults("prompt"), **scoped["prompt"]}
-    for name, value in prompt.items():
-        prompt[name] = option_table.BY_NAME[name].validate(value)
-    table = table_options(prompt)
+    prompt = PromptOptions(**scoped["prompt"])
+    table = table_options({field.name: getattr(prompt, field.name) for field in fields(prompt)})
     return InferOptions(
         model=os.fspath(model),
         engine=EngineConfig(**scoped["engine"]),
         sampling=SamplingParams(**scoped["sampling"]),
-        chat=prompt["chat"] or prompt["system"] is not None,
-        system=prompt["system"],
+        chat=prompt.chat or prompt.system is not None,
+        system=prompt.system,
         table=table,
-        reorder_fields=prompt["reorder_fields"],
-        dedupe=prompt["dedupe"],
+        reorder_fields=prompt.reorder_fields,
+        dedupe=prompt.dedupe,
     )
 
 
@@ -219,36 +219,6 @@ def _log_stats(label: str, rows: int, distinct: int, stats: Any, seconds: float)
     )
     with open(path, "a", encoding="utf-8") as f:  # one short write per line: appends whole
         f.write(line + "\n")
-
-
-def dedupe(values: Sequence[Any]) -> tuple[list[Any], list[int]]:
-    """(each distinct prompt once, in first-seen order; each row's index into them).
-    Chat message lists compare by their JSON; missing prompts stay one row each (they
-    become error rows)."""
-    distinct: list[Any] = []
-    index: dict[Any, int] = {}
-    positions: list[int] = []
-    for value in values:
-        key = _prompt_key(value)
-        if key is None or key not in index:
-            if key is not None:
-                index[key] = len(distinct)
-            positions.append(len(distinct))
-            distinct.append(value)
-        else:
-            positions.append(index[key])
-    return distinct, positions
-
-
-def _prompt_key(value: Any) -> Any:
-    if isinstance(value, str):
-        return ("text", value)
-    if isinstance(value, list):
-        try:
-            return ("chat", json.dumps(value, sort_keys=True, ensure_ascii=False))
-        except (TypeError, ValueError):
-            return None
-    return None
 
 
 _partition_locks: dict[int, threading.Lock] = {}

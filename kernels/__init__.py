@@ -4,12 +4,13 @@ Shared-prefix attention: ``prefix_attention`` (the rows of every request sharing
 segment against one copy of its K/V, non-causal) plus ``own_attention`` (each request
 against its own K/V, causal), merged by log-sum-exp in ``merge_attention_states``;
 ``store_kv`` writes a step's K/V into the cache. The index layout of one step is
-validated once on the host (``own_batch``, ``prefix_batch``) and reused by every layer.
-Shapes and contracts are in ``reference.py``'s docstrings.
+validated once on the host (``own_batch``, ``prefix_batch``, in ``metadata.py``) and reused
+by every layer. Shapes and contracts are in the docstrings of ``metadata.py`` (the cache
+layout, the batches, dtypes) and ``torch_attention.py`` (the operations).
 
 Three implementations:
 
-    torch   the reference (``reference.py``): the test oracle, and the CPU fallback
+    torch   plain torch (``torch_attention.py``): the test oracle, and the CPU fallback
     triton  Triton kernels (``triton_attention.py``) for CUDA tensors, same signatures
     cpp     compiled CPU kernels (``cpu_kernels.cpp`` via ``cpu_extension`` and ``cpu_ops``)
             for fp32/bf16 CPU tensors: their own cache layout (``kv_cache_shapes``), and one
@@ -18,8 +19,8 @@ Three implementations:
 The engine runs a step through ``AttentionStep`` (built once per step, called per layer),
 which works for all three (``step_implementation`` picks: CUDA tensors go to Triton;
 fp32/bf16 CPU tensors to ``cpp`` once ``ensure_checked`` loaded it, other CPU tensors to
-the reference). The single operations below run in the reference layout, on Triton or the
-reference (``implementation``).
+torch). The single operations below run in the reference layout (``metadata.py``), on
+Triton or torch (``implementation``).
 ``LLM_OPERATOR_KERNELS=torch|triton|cpp`` forces one (``triton`` on CPU tensors needs
 ``TRITON_INTERPRET=1``, set before import).
 
@@ -43,8 +44,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from llm_operator.kernels import cpu_extension, cpu_ops, reference
-from llm_operator.kernels.reference import (
+from llm_operator.kernels import cpu_extension, cpu_ops, torch_attention
+from llm_operator.kernels.metadata import (
     AttentionOutput,
     OwnBatch,
     PrefixBatch,
@@ -223,7 +224,7 @@ def ensure_checked(
 
 def _module(tensor: Tensor):
     if implementation(tensor) == "torch":
-        return reference
+        return torch_attention
     try:
         from llm_operator.kernels import triton_attention
     except ImportError as error:  # triton missing, or no GPU and no interpreter
@@ -235,24 +236,24 @@ def _module(tensor: Tensor):
 
 
 def store_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
-    """Write a step's K/V into the paged cache (see ``reference.store_kv``)."""
+    """Write a step's K/V into the paged cache (see ``torch_attention.store_kv``)."""
     _module(k_cache).store_kv(k_cache, v_cache, k, v, slot_mapping)
 
 
 def own_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, batch: OwnBatch, scale: float
 ) -> AttentionOutput:
-    """Each request's rows against its own K/V, causal (see ``reference.own_attention``)."""
+    """Each request's rows against its own K/V, causal (see ``torch_attention.own_attention``)."""
     return _module(q).own_attention(q, k_cache, v_cache, batch, scale)
 
 
 def prefix_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, batch: PrefixBatch, scale: float
 ) -> AttentionOutput:
-    """Rows against their shared segments, non-causal (see ``reference.prefix_attention``);
+    """Rows against their shared segments, non-causal (see ``torch_attention.prefix_attention``);
     a ``chain_batch`` (slot lists) runs on the torch path only."""
     module = _module(q)
-    if getattr(batch, "slot_tables", None) is not None and module is not reference:
+    if getattr(batch, "slot_tables", None) is not None and module is not torch_attention:
         raise ValueError(
             "a chain_batch (segments as slot lists) runs on the torch path only; build one "
             "prefix_batch per chain level for the Triton kernels"
@@ -261,10 +262,11 @@ def prefix_attention(
 
 
 def merge_attention_states(parts: Sequence[tuple[Tensor, Tensor]]) -> AttentionOutput:
-    """Log-sum-exp merge of parts over disjoint keys (see ``reference.merge_attention_states``)."""
+    """Log-sum-exp merge of parts over disjoint keys (see
+    ``torch_attention.merge_attention_states``)."""
     first = parts[0][0] if isinstance(parts, Sequence) and parts and len(parts[0]) else None
     if not isinstance(first, Tensor):
-        return reference.merge_attention_states(parts)  # raises the argument error
+        return torch_attention.merge_attention_states(parts)  # raises the argument error
     return _module(first).merge_attention_states(parts)
 
 
@@ -307,7 +309,7 @@ class AttentionStep:
 
             self.module = triton_attention
         else:
-            self.module = reference
+            self.module = torch_attention
 
     def __call__(
         self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float

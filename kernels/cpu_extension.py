@@ -10,10 +10,11 @@ Python's versions and the CPU model, and are written under a temporary name, the
 so concurrent processes (Spark or Dask workers) never load half a file. A file lock keeps
 them from compiling the same library twice at once.
 
-Then ``self_check`` runs each operation on small seeded cases against its torch reference
-(``cpu_ops.reference_*``). A missing compiler or ninja, a failed build or a failed check
-warns once (RuntimeWarning naming the reason) and ``load()`` returns None for the rest of
-the process: the engine then runs the torch path (correct, slower). Thread-safe.
+Then ``cpu_ops.self_check`` runs each operation on small seeded cases against its torch
+reference (``F.linear``, ``torch_attention``'s operations). A missing compiler or ninja, a
+failed build or a failed check warns once (RuntimeWarning naming the reason) and
+``load()`` returns None for the rest of the process: the engine then runs the torch path
+(correct, slower). Thread-safe.
 """
 
 from __future__ import annotations

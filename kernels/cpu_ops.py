@@ -2,7 +2,7 @@
 
 The compiled module comes from ``cpu_extension.load()``; every launcher takes it as its
 first argument and checks shapes, dtypes and devices (index values are the engine's, checked
-once per step by ``reference.own_batch`` / ``prefix_batch``).
+once per step by ``metadata.own_batch`` / ``prefix_batch``).
 
 Layouts (see ``cpu_kernels.cpp``):
 
@@ -24,8 +24,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from llm_operator.kernels import reference
-from llm_operator.kernels.reference import OwnBatch, PrefixBatch
+from llm_operator.kernels import metadata, torch_attention
+from llm_operator.kernels.metadata import OwnBatch, PrefixBatch
 
 __all__ = [
     "CPU_DTYPES",
@@ -219,7 +219,7 @@ def attention(
     _check_caches(q, k_cache, v_cache)
     return module.paged_attention(
         q.contiguous(), k_cache, v_cache, work.tables, work.items, work.item_rows,
-        reference.check_scale(scale), split_keys,
+        metadata.check_scale(scale), split_keys,
     )  # fmt: skip
 
 
@@ -292,17 +292,17 @@ def _check_attention(
                       for i in range(tokens - rows, tokens)]  # fmt: skip
     q = torch.randn(starts[-1], heads, dim, generator=generator).to(dtype)
     shape = {"block_size": block_size, "num_blocks": num_blocks}
-    own = reference.own_batch(starts, tables, own_lens, **shape)
+    own = metadata.own_batch(starts, tables, own_lens, **shape)
     prefixes = [
-        reference.prefix_batch([list(range(24))], [level1], [37], num_rows=24, **shape),
-        reference.prefix_batch(
+        metadata.prefix_batch([list(range(24))], [level1], [37], num_rows=24, **shape),
+        metadata.prefix_batch(
             [[19], list(range(20, 24))], level2, [3, 20], num_rows=24, **shape
         ),  # fmt: skip
     ]
     scale = dim**-0.5
-    parts = [reference.own_attention(q, k_ref, v_ref, own, scale)]
-    parts += [reference.prefix_attention(q, k_ref, v_ref, p, scale) for p in prefixes]
-    expected = reference.merge_attention_states(parts).out
+    parts = [torch_attention.own_attention(q, k_ref, v_ref, own, scale)]
+    parts += [torch_attention.prefix_attention(q, k_ref, v_ref, p, scale) for p in prefixes]
+    expected = torch_attention.merge_attention_states(parts).out
     # store: this step's K/V go through store_kv into a cache that lacks them
     slots = torch.tensor(new_slots, dtype=torch.int64)
     k_new = k_ref.view(-1, kv_heads, dim)[slots].clone()

@@ -1,8 +1,8 @@
 """Self-check of the Triton kernels against the torch reference on one device and dtype.
 
 ``check_triton(device, dtype)`` runs each Triton operation on a small, seeded case (one
-mixed engine step) and compares it with ``reference.py`` computed on the CPU, the oracle
-the kernel tests use. It returns None when every operation agrees within
+mixed engine step) and compares it with ``torch_attention.py`` computed on the CPU, the
+oracle the kernel tests use. It returns None when every operation agrees within
 ``OUT_TOLERANCE`` / ``LSE_TOLERANCE`` (exact for ``store_kv``), else a one-line reason
 naming the first operation that disagreed (and by how much) or raised (an import or
 compile error, a launch failure).
@@ -41,12 +41,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from llm_operator.kernels import reference
+from llm_operator.kernels import metadata, torch_attention
 
 __all__ = ["LEVEL1_LENGTH", "LSE_TOLERANCE", "OUT_TOLERANCE", "check_triton"]
 
 # The Triton tests' tolerances (same inputs, fp32 inside, outputs rounded to the dtype),
-# defined in tests/test_kernels_reference.py; tests/test_kernels_self_check.py asserts
+# defined in tests/test_kernels_torch.py; tests/test_kernels_self_check.py asserts
 # these copies equal them. On a GPU, fp16/bf16 inputs also round the softmax weights for
 # the tensor cores, which should stay well inside these bounds on this small case.
 OUT_TOLERANCE: dict[torch.dtype, dict[str, float]] = {
@@ -114,7 +114,7 @@ def check_triton(
         expected = case.expected()
         parts = [(out.to(device), lse.to(device)) for out, lse in (*expected.prefix, expected.own)]
         cache, scale = (k_cache, v_cache), case.scale
-        checks: list[tuple[str, Callable, tuple, reference.AttentionOutput]] = [
+        checks: list[tuple[str, Callable, tuple, metadata.AttentionOutput]] = [
             ("prefix_attention (level 1)", kernels.prefix_attention,
              (case.q, *cache, case.prefix_batches[0], scale), expected.prefix[0]),
             ("prefix_attention (level 2)", kernels.prefix_attention,
@@ -138,16 +138,16 @@ def check_triton(
 class _Expected(NamedTuple):
     """The reference's results on the CPU."""
 
-    prefix: list[reference.AttentionOutput]  # per level
-    own: reference.AttentionOutput
-    decode: reference.AttentionOutput  # each request's last row alone
-    merged: reference.AttentionOutput  # of prefix levels 1, 2 and own
+    prefix: list[metadata.AttentionOutput]  # per level
+    own: metadata.AttentionOutput
+    decode: metadata.AttentionOutput  # each request's last row alone
+    merged: metadata.AttentionOutput  # of prefix levels 1, 2 and own
 
 
 class _Batches(NamedTuple):
-    own: reference.OwnBatch
-    decode: reference.OwnBatch
-    prefix: list[reference.PrefixBatch]
+    own: metadata.OwnBatch
+    decode: metadata.OwnBatch
+    prefix: list[metadata.PrefixBatch]
 
 
 class _Case:
@@ -193,11 +193,11 @@ class _Case:
         old_k = torch.full(cache_shape, math.nan, dtype=dtype)
         old_v = torch.full(cache_shape, math.nan, dtype=dtype)
         old = ~new_mask
-        reference.store_kv(old_k, old_v, k[old], v[old], slot_tensor[old])
+        torch_attention.store_kv(old_k, old_v, k[old], v[old], slot_tensor[old])
         self._old_caches = (old_k, old_v)
         self.expected_k_cache, self.expected_v_cache = old_k.clone(), old_v.clone()
         new = (k[new_mask], v[new_mask], slot_tensor[new_mask])
-        reference.store_kv(self.expected_k_cache, self.expected_v_cache, *new)
+        torch_attention.store_kv(self.expected_k_cache, self.expected_v_cache, *new)
         self.new_k, self.new_v, self.new_slots = (t.to(device) for t in new)
 
         starts = [0]
@@ -221,12 +221,12 @@ class _Case:
 
         def batches(on: torch.device) -> _Batches:
             return _Batches(
-                reference.own_batch(starts, own_tables, own_lengths, device=on, **cache),
-                reference.own_batch(
+                metadata.own_batch(starts, own_tables, own_lengths, device=on, **cache),
+                metadata.own_batch(
                     list(range(len(requests) + 1)), own_tables, own_lengths, device=on, **cache
                 ),
                 [
-                    reference.prefix_batch(*level, num_rows=num_rows, device=on, **cache)
+                    metadata.prefix_batch(*level, num_rows=num_rows, device=on, **cache)
                     for level in levels
                 ],
             )
@@ -245,12 +245,14 @@ class _Case:
         batches = self._cpu_batches
         cache = (self.expected_k_cache, self.expected_v_cache)
         prefix = [
-            reference.prefix_attention(self.q_cpu, *cache, batch, self.scale)
+            torch_attention.prefix_attention(self.q_cpu, *cache, batch, self.scale)
             for batch in batches.prefix
         ]
-        own = reference.own_attention(self.q_cpu, *cache, batches.own, self.scale)
-        decode = reference.own_attention(self._decode_q_cpu, *cache, batches.decode, self.scale)
-        merged = reference.merge_attention_states([*prefix, own])
+        own = torch_attention.own_attention(self.q_cpu, *cache, batches.own, self.scale)
+        decode = torch_attention.own_attention(
+            self._decode_q_cpu, *cache, batches.decode, self.scale
+        )
+        merged = torch_attention.merge_attention_states([*prefix, own])
         return _Expected(prefix, own, decode, merged)
 
 
@@ -290,7 +292,7 @@ def _compare_tensor(
 
 
 def _compare_output(
-    result: object, expected: reference.AttentionOutput, dtype: torch.dtype
+    result: object, expected: metadata.AttentionOutput, dtype: torch.dtype
 ) -> str | None:
     """None when (out, lse) agree with the reference's within the tests' tolerances."""
     if not isinstance(result, tuple) or len(result) != 2:

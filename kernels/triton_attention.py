@@ -1,6 +1,7 @@
 """Triton kernels for the native engine's attention over a paged KV cache.
 
-Same signatures and semantics as ``reference.py`` (read its docstrings for the contracts):
+Same signatures and semantics as ``torch_attention.py`` (read its docstrings and
+``metadata.py``'s for the contracts):
 
 - ``store_kv``: one program per new token writes its K and V rows into the paged cache;
 - ``prefix_attention``: one program per (row tile of a segment, KV head). The query heads
@@ -46,7 +47,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from llm_operator.kernels.reference import (
+from llm_operator.kernels.metadata import (
     INDEX_DTYPES,
     AttentionOutput,
     OwnBatch,

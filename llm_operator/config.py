@@ -1,10 +1,33 @@
-"""Engine configuration: frozen, validated on construction."""
+"""Engine configuration: frozen, validated on construction.
+
+Each field is one engine option (``option``: its doc, check and command-line spelling);
+``llm_operator.options`` derives the CLI, the keyword signatures and the docs from these
+fields, and every backend reads its settings from the ``EngineConfig`` it is given.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
-from llm_operator.options import BACKENDS, options_dataclass, parse_memory_size
+from llm_operator.option_fields import (
+    BACKENDS,
+    boolean,
+    check_fields,
+    documented,
+    folder_path,
+    integer,
+    keyword_items,
+    memory_size,
+    one_of,
+    option,
+    optional,
+    parse_keyword_item,
+    parse_memory_size,
+    text,
+)
 
 __all__ = ["BACKENDS", "EngineConfig", "parse_memory_size", "physical_memory_bytes"]
 
@@ -17,10 +40,86 @@ def physical_memory_bytes() -> int:
         return 8 * 2**30
 
 
-@options_dataclass("engine")
+@documented
+@dataclass(frozen=True)
 class EngineConfig:
-    """Options of one ``LLMOperator`` (declared in ``llm_operator.options``)."""
+    """Options of one ``LLMOperator``."""
+
+    backend: str = option(
+        "auto",
+        doc='"native" (our paged-KV engine; Llama, Qwen2/3, Mistral), "hf" (transformers), '
+        '"vllm" (needs vllm), or "auto" (native where it runs, else hf)',
+        check=one_of(*BACKENDS),
+        choices=BACKENDS,
+    )
+    device: str = option("auto", doc='"cpu", "cuda", "cuda:N" or "auto"', check=text)
+    dtype: str = option(
+        "auto",
+        doc='"float32", "bfloat16", "float16" or "auto" (float32 on CPU, the model\'s on GPU)',
+        check=text,
+    )
+    kv_cache_memory: int | str = option(
+        "auto",
+        doc='bytes or a size such as "2GiB" the KV cache may hold; "auto": a quarter of RAM '
+        "on CPU (at most 8 GiB), 80% of free GPU memory",
+        check=memory_size,
+    )
+    max_batch_size: int = option(256, doc="most rows decoding at once", check=integer(1))
+    prefill_batch_tokens: int = option(
+        4096,
+        doc="most tokens in one iteration (native: decodes included; hf: padded prefill tokens)",
+        check=integer(1),
+    )
+    kv_block_size: int = option(
+        16, doc="tokens per KV block of the native paged cache", check=integer(1)
+    )
+    min_shared_tokens: int = option(
+        4, doc="shortest prefix worth sharing between rows", check=integer(1)
+    )
+    share_prefixes: bool = option(
+        True, doc="share common prefixes (off: an ablation)", check=boolean, cli="flag"
+    )
+    decode_first: bool = option(
+        True,
+        doc="run groups with the most decode work first (off: an ablation)",
+        check=boolean,
+        cli="flag",
+    )
+    token_batching: bool = option(
+        True,
+        doc="native: requests join the running batch as KV blocks free (BATON); off, they "
+        "run in waves of max_batch_size (an ablation)",
+        check=boolean,
+        cli="flag",
+    )
+    trust_remote_code: bool = option(
+        False, doc="allow code shipped with the model to run", check=boolean, cli="flag"
+    )
+    progress: bool = option(
+        False,
+        doc="show a progress bar (rows, output tokens/s)",
+        check=boolean,
+        cli="flag",
+        cli_default=True,
+    )
+    cache_dir: str | None = option(
+        None,
+        doc="folder of converted models (default $LLM_OPERATOR_CACHE or ~/.cache/llm-operator)",
+        check=optional(folder_path),
+    )
+    # given as a mapping, kept as sorted (name, value) pairs (hashable)
+    vllm_options: Mapping[str, Any] | tuple[tuple[str, Any], ...] = option(
+        (),
+        doc="keyword arguments for vllm.LLM (backend vllm), over the backend's defaults",
+        check=keyword_items,
+        cli="items",
+        cli_type=parse_keyword_item,
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
     @property
     def kv_cache_bytes(self) -> int | None:
+        """``kv_cache_memory`` in bytes; None for "auto" (the backend sizes it)."""
         return parse_memory_size(self.kv_cache_memory)

@@ -74,7 +74,7 @@ class LLMOperator:
     def constraints(self):
         """Compiles choices, regex and JSON schema constraints for this model (cached)."""
         if self._constraints is None:
-            from llm_operator.constraints import Constraints
+            from llm_operator.engine.constraints import Constraints
 
             config = self.model_config
             text = config.get_text_config() if hasattr(config, "get_text_config") else config

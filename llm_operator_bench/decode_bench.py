@@ -9,7 +9,7 @@ and row count the table gives:
   (``flops.py``: linears, head, attention) / the matmul rate; both measured at the start
   of the run (``measure_memory_bandwidth``, ``rate.measure_matmul_rate``);
 - native: the median over its decode-only iterations of that batch size
-  (``last_profile["steps"]``), the median of ``--repeat`` runs, and the split of a step by
+  (``last_profile.steps``), the median of ``--repeat`` runs, and the split of a step by
   kind of work (``LLM_OPERATOR_PROFILE_OPS``, a separate run so the timing stays clean);
 - vLLM (its best configuration: in-process engine core, prefix caching, 32-token blocks
   unless ``--vllm-block-size``): from two decode lengths of the same rows, (time of

@@ -1,6 +1,6 @@
 """Per-iteration decode figures of the native engine, from ``NativeBackend.last_profile``.
 
-The native backend may list each iteration of its last run in ``last_profile["steps"]`` as
+The native backend may list each iteration of its last run in ``last_profile.steps`` as
 ``(tokens, rows_sampled, seconds)``. An iteration in which every scheduled token was a
 sampled row's single next token (tokens == rows_sampled) is a pure decode step of batch
 size ``rows_sampled``; its time against that batch size shows what one more row costs.
@@ -22,7 +22,7 @@ def summarize_decode_steps(
     "iterations", "median_ms"[, "ops_ms"]}, ...]}`` (ascending rows). Entries that are not
     ``(tokens, rows_sampled, seconds)`` with tokens >= 1 are skipped, so a profile of
     another shape yields None rather than an error. ``ops``: each iteration's seconds by
-    kind of work (``last_profile["ops"]``, one per step), whose medians over a batch
+    kind of work (``last_profile.ops``, one per step), whose medians over a batch
     size's decode iterations become its ``ops_ms``.
     """
     iterations = 0
@@ -73,8 +73,8 @@ def backend_decode_profile(backend: Any) -> dict[str, Any] | None:
     or when its profile has no ``steps``."""
     if getattr(backend, "name", None) != "native":
         return None
-    profile = getattr(backend, "last_profile", None)
-    steps = profile.get("steps") if isinstance(profile, dict) else None
+    profile = getattr(backend, "last_profile", None)  # a RunProfile, None before a run
+    steps = getattr(profile, "steps", None)
     if not isinstance(steps, (list, tuple)):
         return None
-    return summarize_decode_steps(steps, profile.get("ops"))
+    return summarize_decode_steps(steps, profile.ops)

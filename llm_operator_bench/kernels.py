@@ -136,9 +136,9 @@ def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def kernels_modules():
-    from llm_operator.kernels import reference, triton_attention
+    from llm_operator.kernels import metadata, torch_attention, triton_attention
 
-    return reference, triton_attention
+    return metadata, torch_attention, triton_attention
 
 
 # ---------------------------------------------------------------- case building
@@ -162,9 +162,9 @@ def build_batch(
     first 3/4 of the rows, prefix_len // 3 by the rest) and each request's own tokens; the
     own requests are decode rows plus, by default, two prefill chunks.
 
-    store: the store_kv used to fill the cache (the reference by default)."""
-    reference, _ = kernels_modules()
-    store = store or reference.store_kv
+    store: the store_kv used to fill the cache (torch_attention's by default)."""
+    metadata, torch_attention, _ = kernels_modules()
+    store = store or torch_attention.store_kv
     device = device or DEVICE
     generator = torch.Generator(device=device).manual_seed(seed)
 
@@ -203,7 +203,7 @@ def build_batch(
     v = randn(slots.shape[0], num_kv_heads, head_dim)
     store(k_cache, v_cache, k, v, slots)
     cache = {"block_size": block_size, "num_blocks": num_blocks, "device": device}
-    prefix = reference.prefix_batch(
+    prefix = metadata.prefix_batch(
         [rows_ for _, rows_ in segments],
         [b.tolist() for b in owned[:2]],
         [length for length, _ in segments],
@@ -213,7 +213,7 @@ def build_batch(
     starts = [0]
     for _, n in own_lengths:
         starts.append(starts[-1] + n)
-    own = reference.own_batch(
+    own = metadata.own_batch(
         starts, [b.tolist() for b in owned[2:]], [c for c, _ in own_lengths], **cache
     )
     q = randn(num_rows, num_kv_heads * group, head_dim)
@@ -234,7 +234,7 @@ def build_batch(
 
 
 def section_correctness(budget: Budget, share: float) -> dict:
-    reference, tri = kernels_modules()
+    _, torch_attention, tri = kernels_modules()
     deadline = budget.left() - share
     rows_out = []
     for index, (name, head_dim, num_kv, group, prefix_len, rows, block_size) in enumerate(
@@ -269,18 +269,18 @@ def section_correctness(budget: Budget, share: float) -> dict:
             # store_kv: the Triton-filled cache equals a reference-filled one, bit for bit.
             k_ref = torch.full_like(case["k_cache"], math.nan)
             v_ref = torch.full_like(case["v_cache"], math.nan)
-            reference.store_kv(k_ref, v_ref, case["k"], case["v"], case["slots"])
+            torch_attention.store_kv(k_ref, v_ref, case["k"], case["v"], case["slots"])
             same = torch.equal(
                 k_ref.nan_to_num(7.0), case["k_cache"].nan_to_num(7.0)
             ) and torch.equal(v_ref.nan_to_num(7.0), case["v_cache"].nan_to_num(7.0))
             record["store_kv_exact"] = bool(same)
             args = (case["q"], case["k_cache"], case["v_cache"])
             tp = tri.prefix_attention(*args, case["prefix"], case["scale"])
-            rp = reference.prefix_attention(*args, case["prefix"], case["scale"])
+            rp = torch_attention.prefix_attention(*args, case["prefix"], case["scale"])
             to = tri.own_attention(*args, case["own"], case["scale"])
-            ro = reference.own_attention(*args, case["own"], case["scale"])
+            ro = torch_attention.own_attention(*args, case["own"], case["scale"])
             tm = tri.merge_attention_states([tp, to])
-            rm = reference.merge_attention_states([rp, ro])
+            rm = torch_attention.merge_attention_states([rp, ro])
             torch.cuda.synchronize()
             plan = [v for k, v in case["prefix"].derived.items() if k[0] == "triton"]
             record["prefix_splits"] = plan[0].num_splits if plan else None
@@ -327,7 +327,7 @@ def time_case(
     """One timing case; its tensors are freed on return."""
     import torch.nn.functional as F
 
-    reference, tri = kernels_modules()
+    metadata, _, tri = kernels_modules()
     sdpa = F.scaled_dot_product_attention
     record: dict[str, Any] = {
         "dtype": "bf16",
@@ -356,7 +356,7 @@ def time_case(
     position = torch.arange(prefix_len)
     slots = (blocks[position // block_size] * block_size + position % block_size).to(device)
     tri.store_kv(k_cache, v_cache, prefix_k, prefix_v, slots)
-    batch = reference.prefix_batch(
+    batch = metadata.prefix_batch(
         [list(range(rows))],
         [blocks.tolist()],
         [prefix_len],

@@ -87,56 +87,16 @@ def spark_prompt_column():
 
 
 def build_tiny_model(path: Path, seed: int = 0) -> Path:
-    """A random Llama (hidden 64, 2 layers) with a byte-level BPE tokenizer trained on the
-    prompts' words: milliseconds a row, so the integration, not the model, is measured."""
+    """A random Llama (``tiny.build_tiny_model``: hidden 64, 2 layers) with a byte-level BPE
+    tokenizer trained on the prompts' words: milliseconds a row, so the integration, not
+    the model, is measured."""
+    from llm_operator_bench import tiny
+
     if (path / "model.safetensors").exists():
         return path
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (
-        GenerationConfig,
-        LlamaConfig,
-        LlamaForCausalLM,
-        PreTrainedTokenizerFast,
-    )
-
-    eos = "<|endoftext|>"
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=[eos],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator([prompt_text(row) for row in range(2000)], trainer=trainer)
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token=eos, pad_token=eos, model_max_length=256
-    )
-    config = LlamaConfig(
-        vocab_size=len(wrapped),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=wrapped.eos_token_id,
-        pad_token_id=wrapped.eos_token_id,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    model.generation_config = GenerationConfig(
-        eos_token_id=wrapped.eos_token_id, pad_token_id=wrapped.eos_token_id, do_sample=False
-    )
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    wrapped.save_pretrained(path)
-    return path
+    corpus = [prompt_text(row) for row in range(2000)]
+    tokenizer_dir = tiny.build_tiny_tokenizer(path / "tokenizer", corpus, vocab_size=400)
+    return tiny.build_tiny_model(path, "llama", tokenizer_dir, seed)
 
 
 # -- memory of a process tree ---------------------------------------------------------------

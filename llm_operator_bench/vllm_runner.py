@@ -1,7 +1,7 @@
 """vLLM's offline engine as a benchmarked system: ``python -m llm_operator_bench.vllm_runner JOB RESULT``.
 
 Runs inside the vLLM venv (``make vllm-env``), so it imports only the standard library at
-the top and, inside functions, vLLM and ``engine.vllm_driver`` (the engine arguments,
+the top and, inside functions, vLLM and ``engine.vllm.driver`` (the engine arguments,
 start-up and sampling parameters the ``vllm`` backend uses too, with ``batch_job=False``:
 plain vLLM's block and batch sizes unless the job sets them); it never needs pandas or
 pyarrow. ``bench.vllm_systems.run_vllm_job`` starts it.

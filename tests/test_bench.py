@@ -356,10 +356,13 @@ def test_decode_steps_median_per_batch_size():
         {"rows": 2, "iterations": 3, "median_ms": pytest.approx(20.0)},
     ]
     assert summarize_decode_steps([(40, 2, 0.5)]) is None
-    native = SimpleNamespace(name="native", last_profile={"steps": steps})
+    from llm_operator.engine.native.backend import RunProfile
+
+    profile = RunProfile(num_blocks=8, steps=steps)
+    native = SimpleNamespace(name="native", last_profile=profile)
     assert backend_decode_profile(native) == summary
-    assert backend_decode_profile(SimpleNamespace(name="native", last_profile={})) is None
-    assert backend_decode_profile(SimpleNamespace(name="hf", last_profile={"steps": steps})) is None
+    assert backend_decode_profile(SimpleNamespace(name="native", last_profile=None)) is None
+    assert backend_decode_profile(SimpleNamespace(name="hf", last_profile=profile)) is None
     record = {
         "system": "native",
         "workload": "long-answers",

@@ -11,7 +11,7 @@ from helpers import assert_prefix_of_hf, hf_generate_under, hf_logprob
 from transformers import LogitsProcessor
 
 from llm_operator import LLMOperator, SamplingParams
-from llm_operator.constraints import ChoiceTrie
+from llm_operator.engine.constraints import ChoiceTrie
 
 PROMPTS = [
     "The weather today is",

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from llm_operator import kernels
-from llm_operator.kernels import cpu_extension, cpu_ops, reference
+from llm_operator.kernels import cpu_extension, cpu_ops, metadata, torch_attention
 from llm_operator.models import fused
 from llm_operator.models.gemm import GEMM_ENV, GemmChoice
 
@@ -114,7 +114,7 @@ def paged_case(dtype, block_size, generator, *, own, levels):
         for table, (length, _) in zip(segment_tables, level):
             write(table, length)
         prefixes.append(
-            reference.prefix_batch(
+            metadata.prefix_batch(
                 [[r for b in readers for r in rows_of[b]] for _, readers in level],
                 segment_tables,
                 [length for length, _ in level],
@@ -123,14 +123,14 @@ def paged_case(dtype, block_size, generator, *, own, levels):
             )
         )
     q = torch.randn(starts[-1], heads, dim, generator=generator).to(dtype)
-    own_batch = reference.own_batch(starts, tables, [length for length, _ in own], **shape)
+    own_batch = metadata.own_batch(starts, tables, [length for length, _ in own], **shape)
     return q, k_cache, v_cache, own_batch, prefixes, torch.tensor(new_slots, dtype=torch.int64)
 
 
 def reference_attention(q, k_cache, v_cache, own_batch, prefixes, scale):
-    parts = [reference.own_attention(q, k_cache, v_cache, own_batch, scale)]
-    parts += [reference.prefix_attention(q, k_cache, v_cache, p, scale) for p in prefixes]
-    return reference.merge_attention_states(parts).out
+    parts = [torch_attention.own_attention(q, k_cache, v_cache, own_batch, scale)]
+    parts += [torch_attention.prefix_attention(q, k_cache, v_cache, p, scale) for p in prefixes]
+    return torch_attention.merge_attention_states(parts).out
 
 
 STEPS = {
@@ -207,8 +207,8 @@ def test_attention_refuses_a_reference_layout_cache(cpu_module):
     with pytest.raises(ValueError, match="does not match"):
         cpu_ops._check_caches(q, k, k.clone())
     with pytest.raises(ValueError, match="chain_batch"):
-        chain = reference.chain_batch([[0]], [[([0], 3)]], num_rows=2, block_size=16, num_blocks=8)
-        cpu_ops.attention_items(reference.own_batch([0, 2], [[1]], [2], block_size=16,
+        chain = metadata.chain_batch([[0]], [[([0], 3)]], num_rows=2, block_size=16, num_blocks=8)
+        cpu_ops.attention_items(metadata.own_batch([0, 2], [[1]], [2], block_size=16,
                                                     num_blocks=8), [chain])  # fmt: skip
 
 
@@ -297,14 +297,14 @@ def test_compiled_decoder_matches_the_eager_forward(cpu_module, native_model_dir
         caches = [(torch.zeros(k_shape, dtype=dtype), torch.zeros(v_shape, dtype=dtype))
                   for _ in range(config.num_layers)]  # fmt: skip
         # step 1: the segment alone, then request 1's first 4 own tokens after it
-        seg_own = reference.own_batch([0, 9], [[0, 1, 2]], [9], **shape)
+        seg_own = metadata.own_batch([0, 9], [[0, 1, 2]], [9], **shape)
         run(segment_ids, torch.arange(9), seg_own, [], torch.arange(9), caches)
-        own = reference.own_batch([0, 4], [[5, 6]], [4], **shape)
-        prefix = reference.prefix_batch([[0, 1, 2, 3]], [[0, 1, 2]], [9], num_rows=4, **shape)
+        own = metadata.own_batch([0, 4], [[5, 6]], [4], **shape)
+        prefix = metadata.prefix_batch([[0, 1, 2, 3]], [[0, 1, 2]], [9], num_rows=4, **shape)
         run(own1[:4], torch.arange(9, 13), own, [prefix], torch.tensor([20, 21, 22, 23]), caches)
         # step 2: request 0's whole prefill (6 rows) and request 1's decode row
-        own = reference.own_batch([0, 6, 7], [[3, 4], [5, 6]], [6, 5], **shape)
-        prefix = reference.prefix_batch([[6]], [[0, 1, 2]], [9], num_rows=7, **shape)
+        own = metadata.own_batch([0, 6, 7], [[3, 4], [5, 6]], [6, 5], **shape)
+        prefix = metadata.prefix_batch([[6]], [[0, 1, 2]], [9], num_rows=7, **shape)
         ids = torch.cat([own0, own1[4:]])
         positions = torch.tensor([0, 1, 2, 3, 4, 5, 13])
         slots = torch.tensor([12, 13, 14, 15, 16, 17, 24])

@@ -21,10 +21,10 @@ import pytest
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
-from test_kernels_reference import LSE_TOLERANCE, OUT_TOLERANCE  # noqa: E402
+from test_kernels_torch import LSE_TOLERANCE, OUT_TOLERANCE  # noqa: E402
 
 import llm_operator.kernels as kernels  # noqa: E402
-from llm_operator.kernels import reference, self_check  # noqa: E402
+from llm_operator.kernels import metadata, self_check, torch_attention  # noqa: E402
 from llm_operator.kernels import triton_attention as tri  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -101,7 +101,7 @@ def test_interpreter_missing_is_a_reason_not_an_error():
 def reference_kernels(monkeypatch):
     """triton_attention's four operations replaced by the reference (tests break one)."""
     for name in ("store_kv", "own_attention", "prefix_attention", "merge_attention_states"):
-        monkeypatch.setattr(tri, name, getattr(reference, name))
+        monkeypatch.setattr(tri, name, getattr(torch_attention, name))
     return monkeypatch
 
 
@@ -113,7 +113,7 @@ def test_reference_as_kernels_passes(reference_kernels):
 def test_prefix_attention_returning_zeros_is_named(reference_kernels):
     def zeros(q, k_cache, v_cache, batch, scale):
         rows, heads = q.shape[:2]
-        return reference.AttentionOutput(torch.zeros_like(q), torch.zeros(rows, heads))
+        return metadata.AttentionOutput(torch.zeros_like(q), torch.zeros(rows, heads))
 
     reference_kernels.setattr(tri, "prefix_attention", zeros)
     reason = self_check.check_triton(CPU, torch.float32)
@@ -125,8 +125,8 @@ def test_small_lse_error_is_caught_and_measured(reference_kernels):
     """1e-4 off in lse (5x the tolerance) on the second level only."""
 
     def shifted(q, k_cache, v_cache, batch, scale):
-        out, lse = reference.prefix_attention(q, k_cache, v_cache, batch, scale)
-        return reference.AttentionOutput(out, lse + (1e-4 if len(batch.host_lengths) == 2 else 0))
+        out, lse = torch_attention.prefix_attention(q, k_cache, v_cache, batch, scale)
+        return metadata.AttentionOutput(out, lse + (1e-4 if len(batch.host_lengths) == 2 else 0))
 
     reference_kernels.setattr(tri, "prefix_attention", shifted)
     reason = self_check.check_triton(CPU, torch.float32)
@@ -141,9 +141,9 @@ def test_small_lse_error_is_caught_and_measured(reference_kernels):
 
 def test_nan_from_own_attention_is_named(reference_kernels):
     def nan_row(q, k_cache, v_cache, batch, scale):
-        out, lse = reference.own_attention(q, k_cache, v_cache, batch, scale)
+        out, lse = torch_attention.own_attention(q, k_cache, v_cache, batch, scale)
         out[5, 1, 3] = float("nan")
-        return reference.AttentionOutput(out, lse)
+        return metadata.AttentionOutput(out, lse)
 
     reference_kernels.setattr(tri, "own_attention", nan_row)
     reason = self_check.check_triton(CPU, torch.float16)
@@ -155,8 +155,8 @@ def test_nan_from_own_attention_is_named(reference_kernels):
 
 def test_merge_error_is_blamed_on_merge(reference_kernels):
     def off(parts):
-        out, lse = reference.merge_attention_states(parts)
-        return reference.AttentionOutput(out + 0.5, lse)
+        out, lse = torch_attention.merge_attention_states(parts)
+        return metadata.AttentionOutput(out + 0.5, lse)
 
     reference_kernels.setattr(tri, "merge_attention_states", off)
     reason = self_check.check_triton(CPU, torch.bfloat16)
@@ -267,7 +267,7 @@ def test_failed_check_sends_the_device_to_torch_and_warns_once(registry, monkeyp
         monkeypatch.setattr(tri, "prefix_attention", must_not_run)
         routed = kernels.prefix_attention(*args)
     assert len(registry.calls) == 1  # checked once
-    expected = reference.prefix_attention(*args)
+    expected = torch_attention.prefix_attention(*args)
     torch.testing.assert_close(routed, expected, atol=0, rtol=0)
 
 

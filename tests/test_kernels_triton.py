@@ -22,8 +22,8 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 # Tolerances (Triton and the reference: same inputs, fp32 inside, outputs rounded to the
-# dtype) and own-request batches as (context_len, query_count), shared with the reference.
-from test_kernels_reference import (  # noqa: E402
+# dtype) and own-request batches as (context_len, query_count), shared with the torch tests.
+from test_kernels_torch import (  # noqa: E402
     BATCHES,
     LSE_TOLERANCE,
     OUT_TOLERANCE,
@@ -31,7 +31,7 @@ from test_kernels_reference import (  # noqa: E402
 )
 
 import llm_operator.kernels as kernels  # noqa: E402
-from llm_operator.kernels import reference  # noqa: E402
+from llm_operator.kernels import metadata, torch_attention  # noqa: E402
 from llm_operator.kernels import triton_attention as tri  # noqa: E402
 
 
@@ -40,8 +40,8 @@ class Case:
     q: torch.Tensor  # [T, num_heads, head_dim]
     k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim], NaN where unused
     v_cache: torch.Tensor
-    prefix: reference.PrefixBatch
-    own: reference.OwnBatch
+    prefix: metadata.PrefixBatch
+    own: metadata.OwnBatch
     scale: float
 
 
@@ -84,7 +84,7 @@ def make_case(
     )
     k = torch.randn(len(slots), num_kv_heads, head_dim, generator=generator).to(dtype)
     v = torch.randn(len(slots), num_kv_heads, head_dim, generator=generator).to(dtype)
-    reference.store_kv(k_cache, v_cache, k, v, slots)
+    torch_attention.store_kv(k_cache, v_cache, k, v, slots)
 
     cache = {"block_size": block_size, "num_blocks": num_blocks}
     # Table padding holds junk (the kernels must not read past the used blocks).
@@ -92,7 +92,7 @@ def make_case(
         torch.cat([blocks, torch.tensor([10**6, -5])]).to(index_dtype)
         for blocks in owned[: len(segments)]
     ]
-    prefix = reference.prefix_batch(
+    prefix = metadata.prefix_batch(
         [list(rows) for _, rows in segments],
         [b.tolist() for b in segment_blocks],
         [length for length, _ in segments],
@@ -105,7 +105,7 @@ def make_case(
     for b, blocks in enumerate(owned[len(segments) :]):
         tables[b, : len(blocks)] = blocks.to(index_dtype)
     starts = list(itertools.accumulate((n for _, n in requests), initial=0))
-    own = reference.own_batch(
+    own = metadata.own_batch(
         torch.tensor(starts, dtype=index_dtype),
         tables,
         torch.tensor([c for c, _ in requests], dtype=index_dtype),
@@ -127,14 +127,14 @@ def check_case(case: Case, *, merge: bool = True) -> None:
     """prefix, own and their merge: Triton vs the reference on the same inputs."""
     args = (case.q, case.k_cache, case.v_cache)
     tri_prefix = tri.prefix_attention(*args, case.prefix, case.scale)
-    ref_prefix = reference.prefix_attention(*args, case.prefix, case.scale)
+    ref_prefix = torch_attention.prefix_attention(*args, case.prefix, case.scale)
     assert_close(tri_prefix, ref_prefix, case.q.dtype)
     tri_own = tri.own_attention(*args, case.own, case.scale)
-    ref_own = reference.own_attention(*args, case.own, case.scale)
+    ref_own = torch_attention.own_attention(*args, case.own, case.scale)
     assert_close(tri_own, ref_own, case.q.dtype)
     if merge:
         merged = tri.merge_attention_states([tri_prefix, tri_own])
-        expected = reference.merge_attention_states([ref_prefix, ref_own])
+        expected = torch_attention.merge_attention_states([ref_prefix, ref_own])
         assert_close(merged, expected, case.q.dtype)
         assert not bool(merged.out.isnan().any())
 
@@ -334,7 +334,7 @@ def random_parts(num_parts: int, dtype: torch.dtype, seed: int):
 def test_merge_matches_reference(num_parts, dtype):
     parts = random_parts(num_parts, dtype, seed=num_parts)
     merged = tri.merge_attention_states(parts)
-    expected = reference.merge_attention_states(parts)
+    expected = torch_attention.merge_attention_states(parts)
     assert_close(merged, expected, dtype)
     assert not bool(merged.out.isnan().any()) and not bool(merged.lse.isnan().any())
     assert bool((merged.out[6, 3] == 0).all()) and bool(torch.isneginf(merged.lse[6, 3]))
@@ -346,7 +346,7 @@ def test_merge_of_strided_parts_and_half_precision_lse():
         (torch.cat([out, out], dim=-1)[..., ::2], lse.T.contiguous().T) for out, lse in parts
     ]
     strided[1] = (strided[1][0], strided[1][1].half())
-    expected = reference.merge_attention_states(strided)
+    expected = torch_attention.merge_attention_states(strided)
     merged = tri.merge_attention_states(strided)
     assert_close(merged, expected, torch.float32)
 
@@ -408,11 +408,11 @@ def test_environment_routes_cpu_tensors_to_triton(monkeypatch):
     assert kernels.implementation(case.q) == "triton"
     routed = kernels.prefix_attention(*args)
     assert calls == [5]
-    assert_close(routed, reference.prefix_attention(*args), case.q.dtype)
+    assert_close(routed, torch_attention.prefix_attention(*args), case.q.dtype)
 
     monkeypatch.setenv(kernels.IMPLEMENTATION_ENV, "torch")
     kernels.prefix_attention(*args)
-    assert calls == [5]  # the reference ran
+    assert calls == [5]  # the torch path ran
     monkeypatch.setenv(kernels.IMPLEMENTATION_ENV, "cuda-magic")
     with pytest.raises(ValueError, match=kernels.IMPLEMENTATION_ENV):
         kernels.prefix_attention(*args)

@@ -43,7 +43,7 @@ def test_without_token_batching_matches_hf_and_hf_refuses_it(tiny_llama_dir):
     op = LLMOperator(tiny_llama_dir, backend="native", token_batching=False, max_batch_size=2)
     results = op.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
     assert_matches_hf(op, tiny_llama_dir, prompts, results, 6, ignore_eos=True)
-    assert op.backend().last_profile["max_running"] == 2
+    assert op.backend().last_profile.max_running == 2
     hf = LLMOperator(tiny_llama_dir, backend="hf", token_batching=False)
     with pytest.raises(ValueError, match="token_batching=False"):
         hf.generate(["Why"], SamplingParams(max_tokens=2))
@@ -106,9 +106,9 @@ def test_pool_smaller_than_the_group_runs_in_waves_with_preemption(tiny_qwen3_di
     )
     results = op.generate(prompts, params)
     profile = op.backend().last_profile
-    assert profile["num_blocks"] == 48
-    assert profile["preemptions"] > 0
-    assert profile["max_running"] < len(prompts)
+    assert profile.num_blocks == 48
+    assert profile.preemptions > 0
+    assert profile.max_running < len(prompts)
     assert_matches_hf(op, tiny_qwen3_dir, prompts, results, 12, ignore_eos=True)
 
 
@@ -211,7 +211,7 @@ def test_every_cpu_path_matches_hf_generate(native_model_dir, path, monkeypatch,
     assert_matches_hf(op, native_model_dir, prompts, results, 6, ignore_eos=True)
     backend = op.backend()
     expected = "cpp" if path in ("compiled-decoder", "cpp-attention") else "torch"
-    assert backend._run_implementation == expected
+    assert backend._pool[0] == expected  # the kernels of the last run (its KV pool layout)
     assert (calls["decoder"] > 0) == (path == "compiled-decoder")
     packed = backend.model.layers[0].qkv_proj.packed
     assert (packed is None) == (path == "no-cpp")
@@ -224,8 +224,8 @@ def test_op_profile_splits_each_iteration(tiny_llama_dir, monkeypatch):
     op = LLMOperator(tiny_llama_dir, backend="native")
     op.generate(three_level_prompts()[:4], SamplingParams(max_tokens=5, ignore_eos=True))
     profile = op.backend().last_profile
-    assert len(profile["ops"]) == len(profile["steps"]) == profile["iterations"]
-    for split, (_, _, seconds) in zip(profile["ops"], profile["steps"]):
+    assert len(profile.ops) == len(profile.steps) == profile.iterations
+    for split, (_, _, seconds) in zip(profile.ops, profile.steps):
         assert set(split) == set(KINDS)
         assert all(value >= 0 for value in split.values())
         assert split["linear"] > 0 and split["attention"] > 0 and split["sampling"] > 0
@@ -249,5 +249,5 @@ def test_kv_pool_is_reused_by_a_smaller_run(tiny_llama_dir, path, monkeypatch):
     small = prompts[:2]
     results = op.generate(small, SamplingParams(max_tokens=4, ignore_eos=True))
     assert backend._pool is pool  # reused, not reallocated
-    assert backend.last_profile["num_blocks"] < pool[1]
+    assert backend.last_profile.num_blocks < pool[1]
     assert_matches_hf(op, tiny_llama_dir, small, results, 4, ignore_eos=True)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import json
-from dataclasses import fields, replace
+import typing
+from dataclasses import MISSING, fields, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -15,6 +17,7 @@ from llm_operator import EngineConfig, LLMOperator, SamplingParams
 from llm_operator import options as option_table
 from llm_operator.cli import build_parser, main
 from llm_operator.integrations import partition as _partition
+from llm_operator.prompts.options import PromptOptions
 
 # A value other than the default for every option; a new option must add one here.
 PROBES = {
@@ -61,6 +64,94 @@ VARIANTS = [PROBES] + [
     {**{k: v for k, v in PROBES.items() if k != "choices"}, name: value}
     for name, value in EXCLUSIVE.items()
 ]
+
+
+# Every option's default, written out: the fields' defaults must not drift.
+DEFAULTS = {
+    EngineConfig: {
+        "backend": "auto", "device": "auto", "dtype": "auto", "kv_cache_memory": "auto",
+        "max_batch_size": 256, "prefill_batch_tokens": 4096, "kv_block_size": 16,
+        "min_shared_tokens": 4, "share_prefixes": True, "decode_first": True,
+        "token_batching": True, "trust_remote_code": False, "progress": False,
+        "cache_dir": None, "vllm_options": (),
+    },
+    SamplingParams: {
+        "max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "stop": (),
+        "seed": None, "ignore_eos": False, "choices": None, "regex": None,
+        "json_schema": None, "logprobs": False,
+    },
+    PromptOptions: {
+        "chat": False, "system": None, "template": None, "columns": None,
+        "instruction": None, "reorder_fields": False, "dedupe": False,
+    },
+}  # fmt: skip
+
+
+def test_the_options_are_typed_fields_of_the_config_classes() -> None:
+    """What an editor or mypy reads: each option is a field written in its class body, with
+    a type and a default; the table, the CLI and the keyword signatures are exactly these."""
+    assert option_table.CLASSES == {
+        "engine": EngineConfig,
+        "sampling": SamplingParams,
+        "prompt": PromptOptions,
+    }
+    for scope_name, cls in option_table.CLASSES.items():
+        declared = {f.name: f.default for f in fields(cls)}
+        assert declared == DEFAULTS[cls], cls
+        assert all(f.default is not MISSING and f.default_factory is MISSING for f in fields(cls))
+        assert list(cls.__annotations__) == list(declared)  # in the class body, in this order
+        hints = typing.get_type_hints(cls)  # the annotations resolve to real types
+        assert list(hints) == list(declared)
+        assert {name: getattr(cls, name) for name in declared} == declared  # class attributes
+        table = option_table.scope(scope_name)
+        assert [(o.name, o.default) for o in table] == list(declared.items())
+        assert [o.annotation for o in table] == [cls.__annotations__[n] for n in declared]
+        assert cls() == cls(**declared)
+    engine, sampling = typing.get_type_hints(EngineConfig), typing.get_type_hints(SamplingParams)
+    assert (engine["max_batch_size"], engine["share_prefixes"]) == (int, bool)
+    assert engine["kv_cache_memory"] == int | str and engine["cache_dir"] == str | None
+    assert (sampling["temperature"], sampling["seed"]) == (float, int | None)
+    assert sampling["stop"] == tuple[str, ...]
+    assert typing.get_type_hints(PromptOptions)["columns"] == tuple[str, ...] | None
+    every = [f.name for cls in option_table.CLASSES.values() for f in fields(cls)]
+    assert list(option_table.BY_NAME) == every
+
+    # the command line: one group per scope holding exactly its fields, in order
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for command in ("run", "plan"):
+        groups = {g.title: g for g in commands.choices[command]._action_groups}
+        for scope_name, cls in option_table.CLASSES.items():
+            group = groups[option_table.GROUP_TITLES[scope_name]]
+            assert [a.dest for a in group._group_actions] == [f.name for f in fields(cls)]
+
+    # the keyword signatures: exactly the fields, with their defaults
+    from llm_operator.integrations import dask, spark
+
+    def options_of(function, own: set[str]) -> dict[str, object]:
+        parameters = inspect.signature(function).parameters
+        assert all(p.kind != p.VAR_KEYWORD for p in parameters.values())
+        return {n: p.default for n, p in parameters.items() if n not in own}
+
+    assert options_of(LLMOperator, {"model"}) == DEFAULTS[EngineConfig]
+    everything = {k: v for defaults in DEFAULTS.values() for k, v in defaults.items()}
+    own = {"col", "ddf", "model", "engine_options", "value", "output"}
+    assert options_of(spark.llm_infer, own) == everything
+    assert options_of(dask.llm_infer, own) == everything
+
+
+@pytest.mark.parametrize("backend", ["hf", "native"])
+def test_a_backend_reads_its_settings_from_the_config_it_is_given(tiny_llama_dir, backend):
+    op = LLMOperator(
+        tiny_llama_dir, backend=backend, max_batch_size=2, prefill_batch_tokens=64,
+        kv_block_size=4, device="cpu",
+    )  # fmt: skip
+    assert op.backend().engine_config is op.config
+    results = op.generate(["a b c", "a b d", "a b e"], SamplingParams(max_tokens=3))
+    assert [r.finish_reason for r in results] != ["error"] * 3
+    if backend == "native":
+        assert op.backend().block_size == 4
+        assert op.backend().last_profile.max_running <= 2
 
 
 def test_every_option_has_a_probe_value_other_than_its_default() -> None:

@@ -31,6 +31,7 @@ from helpers import (
     tiny_config,
 )
 
+from llm_operator.config import EngineConfig
 from llm_operator.engine.run import Run, run_plan
 from llm_operator.engine.vllm.driver import (
     FIT_TO_KV_MEMORY,
@@ -446,13 +447,12 @@ def test_engine_is_built_once_for_a_longer_second_batch(vllm_llama_dir: Path) ->
 
     tokenizer = load_tokenizer(vllm_llama_dir)
     batched_tokens = 256
-    backend = VLLMBackend(
-        str(vllm_llama_dir),
-        tokenizer,
-        max_context=CONTEXT,
-        kv_cache_bytes=BUDGET_BLOCKS * BYTES_PER_BLOCK,
-        options={"enforce_eager": True, "max_num_batched_tokens": batched_tokens},
+    config = EngineConfig(
+        backend="vllm",
+        kv_cache_memory=BUDGET_BLOCKS * BYTES_PER_BLOCK,
+        vllm_options={"enforce_eager": True, "max_num_batched_tokens": batched_tokens},
     )
+    backend = VLLMBackend(str(vllm_llama_dir), tokenizer, config, max_context=CONTEXT)
     fitted = (BUDGET_BLOCKS - 1) * BLOCK_SIZE
     assert backend.engine_options()["max_model_len"] == fitted < CONTEXT
     generator = random.Random(17)
@@ -494,14 +494,13 @@ def test_backend_and_bench_runner_build_through_one_driver(vllm_llama_dir: Path)
         disable_log_stats=True,
         kv_cache_memory_bytes=24 * BYTES_PER_BLOCK,
     )
-    backend = VLLMBackend(
-        str(vllm_llama_dir),
-        None,
-        max_context=CONTEXT,
-        kv_cache_bytes=24 * BYTES_PER_BLOCK,
+    config = EngineConfig(
+        backend="vllm",
+        kv_cache_memory=24 * BYTES_PER_BLOCK,
         max_batch_size=8,
-        options={"enforce_eager": True},
+        vllm_options={"enforce_eager": True},
     )
+    backend = VLLMBackend(str(vllm_llama_dir), None, config, max_context=CONTEXT)
     assert backend.engine_options() == dict(
         common,
         enable_prefix_caching=True,
@@ -597,9 +596,7 @@ def test_vllm_backend_without_vllm_says_how_to_get_it(tiny_llama_dir: Path) -> N
 
 
 def test_vllm_options_are_kept_hashable_and_pass_through_engine_options() -> None:
-    from integrations._partition import make_options
-
-    from llm_operator.config import EngineConfig
+    from llm_operator.integrations.partition import make_options
 
     config = EngineConfig(backend="vllm", vllm_options={"max_model_len": 512, "block_size": 32})
     assert config.vllm_options == (("block_size", 32), ("max_model_len", 512))

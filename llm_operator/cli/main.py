@@ -123,7 +123,7 @@ def _load_prompts(args) -> Loaded:
 def command_run(args) -> int:
     from llm_operator.cli.engines import generate
     from llm_operator.cli.tables import add_result_columns, table_format, write_table
-    from llm_operator.integrations.partition import dedupe
+    from llm_operator.prompts.dedupe import dedupe
 
     table_format(args.output)  # fail on a bad output name before any work
     table, prompts, fields, options, _, deduplicate = _load_prompts(args)
@@ -195,7 +195,7 @@ def command_plan(args) -> int:
     """The prefix-sharing plan from the tokenizer alone. With --template or --columns,
     the plans of the given field order and of the order --reorder-fields chooses."""
     from llm_operator import LLMOperator, SamplingParams
-    from llm_operator.integrations.partition import dedupe
+    from llm_operator.prompts.dedupe import dedupe
     from llm_operator.prompts.encode import as_chat
     from llm_operator.prompts.field_order import ArrowStatistics, plan_fields
     from llm_operator.prompts.table import render_arrow

@@ -19,7 +19,8 @@ def choose_backend(config: EngineConfig, info: ModelInfo) -> str:
 
 
 def build_backend(config: EngineConfig, info: ModelInfo, tokenizer):
-    """The backend ``choose_backend`` names, its model loaded."""
+    """The backend ``choose_backend`` names, its model loaded; every backend reads its
+    settings from ``config`` (with ``kv_cache_memory`` resolved for the device)."""
     name = choose_backend(config, info)
     if name != "native" and not config.token_batching:
         raise ValueError(
@@ -29,16 +30,7 @@ def build_backend(config: EngineConfig, info: ModelInfo, tokenizer):
     if name == "vllm":
         from llm_operator.engine.vllm.backend import VLLMBackend
 
-        return VLLMBackend(
-            str(info.path),
-            tokenizer,
-            max_context=info.max_context,
-            dtype=config.dtype,
-            kv_cache_bytes=config.kv_cache_bytes,
-            max_batch_size=config.max_batch_size,
-            trust_remote_code=config.trust_remote_code,
-            options=dict(config.vllm_options),
-        )
+        return VLLMBackend(str(info.path), tokenizer, config, max_context=info.max_context)
     from llm_operator.models import resolve_device, resolve_dtype
 
     device = resolve_device(config.device)
@@ -53,13 +45,7 @@ def build_backend(config: EngineConfig, info: ModelInfo, tokenizer):
         model = load_causal_lm(
             info.path, device=device, dtype=dtype, trust_remote_code=config.trust_remote_code
         )
-    return HFBackend(
-        model,
-        tokenizer,
-        max_batch_size=config.max_batch_size,
-        prefill_batch_tokens=config.prefill_batch_tokens,
-        kv_cache_bytes=kv_cache_bytes,
-    )
+    return HFBackend(model, tokenizer, config, kv_cache_bytes=kv_cache_bytes)
 
 
 def _native(config: EngineConfig, info: ModelInfo, tokenizer, device, dtype, kv_cache_bytes):
@@ -78,15 +64,7 @@ def _native(config: EngineConfig, info: ModelInfo, tokenizer, device, dtype, kv_
         num_kv_heads=heads.num_kv_heads,
         head_dim=heads.head_dim,
     )
-    return NativeBackend(
-        model,
-        kv_cache_bytes=kv_cache_bytes,
-        block_size=config.kv_block_size,
-        max_batched_tokens=config.prefill_batch_tokens,
-        max_running=config.max_batch_size,
-        share_prefixes=config.share_prefixes,
-        token_batching=config.token_batching,
-    )
+    return NativeBackend(model, config, kv_cache_bytes=kv_cache_bytes)
 
 
 def auto_kv_cache_bytes(device: torch.device) -> int:

@@ -14,6 +14,7 @@ from collections.abc import Hashable, Iterator, Sequence
 
 import numpy as np
 
+from llm_operator.config import EngineConfig
 from llm_operator.planner.grouping import OrderedGroup, order_groups
 from llm_operator.planner.plan import Plan, PlannedRequest, PlanStats, PrefixGroup, Segment
 from llm_operator.planner.prefix_tree import build_prefix_tree, count_unique_tokens, encode_prompt
@@ -30,9 +31,9 @@ def build_plan(
     max_tokens: int | Sequence[int],
     *,
     merge_keys: Sequence[Hashable | None] | None = None,
-    min_shared_tokens: int = 4,
-    decode_first: bool = True,
-    share_prefixes: bool = True,
+    min_shared_tokens: int = EngineConfig.min_shared_tokens,
+    decode_first: bool = EngineConfig.decode_first,
+    share_prefixes: bool = EngineConfig.share_prefixes,
 ) -> Plan:
     """Plan a batch of tokenized prompts.
 

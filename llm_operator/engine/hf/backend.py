@@ -18,6 +18,7 @@ from collections import deque
 import torch
 from transformers.cache_utils import DynamicCache
 
+from llm_operator.config import EngineConfig
 from llm_operator.engine.hf.batch_cache import GROWTH_COLUMNS, DenseBatchCache, layers_of
 from llm_operator.engine.hf.prefix_store import PrefixStore
 from llm_operator.engine.run import Request, Run
@@ -35,15 +36,16 @@ class HFBackend:
         self,
         model,
         tokenizer,
+        engine_config: EngineConfig,
         *,
-        max_batch_size: int = 256,
-        prefill_batch_tokens: int = 4096,
         kv_cache_bytes: int | None = None,
     ) -> None:
+        """engine_config: its ``max_batch_size`` and ``prefill_batch_tokens`` apply here.
+        kv_cache_bytes: the KV budget in bytes (``kv_cache_memory`` resolved for the
+        device; None: unbounded)."""
         self.model = model
         self.tokenizer = tokenizer
-        self.max_batch_size = max_batch_size
-        self.prefill_batch_tokens = prefill_batch_tokens
+        self.engine_config = engine_config
         self.kv_cache_bytes = kv_cache_bytes
         self.device = next(model.parameters()).device
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -117,7 +119,7 @@ class _HFSteps:
     # -- admission -------------------------------------------------------
     def admit(self) -> None:
         free = [i for i, row in enumerate(self.slots) if row is None]
-        capacity = self.backend.max_batch_size - len(self.slots) + len(free)
+        capacity = self.backend.engine_config.max_batch_size - len(self.slots) + len(free)
         chosen: list[PlannedRequest] = []
         while self.waiting and len(chosen) < capacity:
             request = self.waiting[0]
@@ -160,11 +162,12 @@ class _HFSteps:
 
     def _prefill_parts(self, chosen: list[PlannedRequest]) -> list[list[PlannedRequest]]:
         """Split admitted requests into prefill passes of at most prefill_batch_tokens padded suffix tokens."""
+        budget = self.backend.engine_config.prefill_batch_tokens
         parts: list[list[PlannedRequest]] = [[]]
         widest = 0
         for request in chosen:
             width = max(widest, len(request.suffix), 1)
-            if parts[-1] and width * (len(parts[-1]) + 1) > self.backend.prefill_batch_tokens:
+            if parts[-1] and width * (len(parts[-1]) + 1) > budget:
                 parts.append([])
                 width = max(len(request.suffix), 1)
             parts[-1].append(request)

@@ -15,11 +15,14 @@ One iteration (``_NativeSteps.step``) is three calls, nano-vllm style:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
 from llm_operator import kernels
+from llm_operator.config import EngineConfig
 from llm_operator.engine.native.block_manager import BlockManager
 from llm_operator.engine.native.op_profile import OpProfile, TimedOps, profiling_requested
 from llm_operator.engine.native.scheduler import ScheduledChunk, Scheduler
@@ -28,8 +31,40 @@ from llm_operator.models import fused
 from llm_operator.models.cpu_decoder import TIMED_KINDS, CompiledDecoder
 from llm_operator.models.gemm import DEFAULT_GEMM
 from llm_operator.models.llama import Linear, LlamaModel
-from llm_operator.options import BY_NAME
-from llm_operator.planner import Plan, build_plan
+from llm_operator.planner import Plan
+
+
+@dataclass
+class StepBatch:
+    """One iteration's inputs, built once on the host and read by every layer."""
+
+    input_ids: torch.Tensor  # [tokens] int64: every scheduled chunk's tokens, packed
+    positions: torch.Tensor  # [tokens] int64: each token's position in its sequence
+    attention: Callable  # attention(layer, q, k, v) -> out: stores K/V, attends, merges
+    step: kernels.AttentionStep  # the step's attention layout (the compiled decoder's input)
+    last_rows: torch.Tensor  # [sampled chunks] int64: the row whose logits are sampled
+
+
+@dataclass
+class RunProfile:
+    """Where one native run's time went (``NativeBackend.last_profile``)."""
+
+    num_blocks: int  # KV blocks this run may use
+    schedule: float = 0.0  # seconds scheduling and building each step's batch
+    forward: float = 0.0  # seconds in the model (and the output head)
+    sample: float = 0.0  # seconds sampling and handing tokens to the run
+    iterations: int = 0
+    steps: list[tuple[int, int, float]] = field(default_factory=list)
+    """(tokens, rows sampled, seconds) of each iteration: decode-only when the first two
+    are equal."""
+    ops: list[dict[str, float]] | None = None
+    """With ``LLM_OPERATOR_PROFILE_OPS=1``: each iteration's seconds by kind of work."""
+    preemptions: int = 0
+    segment_evictions: int = 0
+    max_running: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 class NativeBackend:
@@ -40,35 +75,30 @@ class NativeBackend:
     def __init__(
         self,
         model: LlamaModel,
+        engine_config: EngineConfig,
         *,
         kv_cache_bytes: int,
-        block_size: int = BY_NAME["kv_block_size"].default,
-        **scheduling: Any,
     ) -> None:
-        """scheduling: the ``Scheduler``'s keyword options (max_batched_tokens, max_running,
-        decode_reserve, share_prefixes, token_batching), checked here by building one."""
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-        Scheduler(build_plan([], []), BlockManager(1, block_size), **scheduling)
-        self.scheduling = scheduling
-        self.max_batched_tokens = scheduling.get(
-            "max_batched_tokens", BY_NAME["prefill_batch_tokens"].default
-        )
+        """engine_config: its ``kv_block_size``, ``prefill_batch_tokens`` (tokens per
+        iteration), ``max_batch_size`` (running requests), ``share_prefixes`` and
+        ``token_batching`` apply here. kv_cache_bytes: the KV budget in bytes
+        (``kv_cache_memory`` resolved for the device)."""
+        self.engine_config = engine_config
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.kv_cache_bytes = kv_cache_bytes
-        self.block_size = block_size
-        self.last_profile: dict[str, Any] = {}
+        self.block_size = engine_config.kv_block_size
+        self.last_profile: RunProfile | None = None  # of the last run
         # (implementation, num_blocks, k caches, v caches): the KV pool, kept across runs
         self._pool: tuple[str, int, list, list] | None = None
         self.decoder: CompiledDecoder | None = None
         if self.device.type == "cpu":  # pack the weights, time each linear shape's GEMMs once
-            DEFAULT_GEMM.tune(model.pack_weights(), max_rows=self.max_batched_tokens)
+            max_batched_tokens = engine_config.prefill_batch_tokens
+            DEFAULT_GEMM.tune(model.pack_weights(), max_rows=max_batched_tokens)
             # the head runs on the sampled rows only: at most one per running request
-            max_running = scheduling.get("max_running", BY_NAME["max_batch_size"].default)
-            max_sampled = min(self.max_batched_tokens, max_running)
+            max_sampled = min(max_batched_tokens, engine_config.max_batch_size)
             DEFAULT_GEMM.tune([(model.head_weight, model.head_packed)], max_rows=max_sampled)
             self.decoder = CompiledDecoder(model)
         # LLM_OPERATOR_PROFILE_OPS: each iteration's seconds by kind of work (op_profile.py)
@@ -123,13 +153,34 @@ class NativeBackend:
     def start(self, run: Run) -> _NativeSteps:
         return _NativeSteps(self, run)
 
+
+class _NativeSteps:
+    """One run on the native backend: its attention kernels, its view of the KV pool (the
+    pool outlives the run), its scheduler and its profile. Nothing of it stays on the
+    backend but the profile, published as ``backend.last_profile``."""
+
+    @torch.inference_mode()
+    def __init__(self, backend: NativeBackend, run: Run) -> None:
+        self.backend, self.run = backend, run
+        plan = run.plan
+        num_blocks = backend._num_blocks(plan)
+        self.implementation = backend._implementation()
+        self.k_cache, self.v_cache = backend._kv_pool(self.implementation, num_blocks)
+        self.pool_blocks = backend._pool[1]  # >= num_blocks: a larger run may have built it
+        self.scheduler = Scheduler.from_config(
+            plan, BlockManager(num_blocks, backend.block_size), backend.engine_config
+        )
+        self.reported = 0  # scheduler.rejected already failed in the run
+        self.profile = backend.last_profile = RunProfile(num_blocks=num_blocks)
+
     # -- one iteration's tensors -------------------------------------------------------
-    def _batch(self, chunks: list[ScheduledChunk], scheduler: Scheduler) -> dict:
+    def _batch(self, chunks: list[ScheduledChunk]) -> StepBatch:
         """Token-packed inputs, slots and the step's attention layout, built once on the
         host and reused by every layer: one own-attention batch, and the shared prefixes
         as one chain batch (torch path) or one prefix batch per level of the segment
         chains (Triton; a row reads at most one segment per level)."""
-        bs = self.block_size
+        backend, scheduler = self.backend, self.scheduler
+        bs = backend.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -152,11 +203,11 @@ class NativeBackend:
                 chains.setdefault(seq.chain, []).extend(range(begin, len(input_ids)))
             if chunk.sample:
                 last_rows.append(len(input_ids) - 1)
-        device = self.device
+        device = backend.device
         # the pool may hold more blocks than this run uses (a larger run allocated it)
-        shape = {"block_size": bs, "num_blocks": self._pool[1], "device": device}
+        shape = {"block_size": bs, "num_blocks": self.pool_blocks, "device": device}
         own_batch = kernels.own_batch(query_start, tables, context_lens, **shape)
-        if self._run_implementation == "torch" and chains:
+        if self.implementation == "torch" and chains:
             # torch path: a row's whole chain is one attention part (one call, one merge)
             prefix_batches = [
                 kernels.chain_batch(
@@ -187,61 +238,37 @@ class NativeBackend:
                 for level in levels
             ]
         slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
-        step = kernels.AttentionStep(
-            self._run_implementation, own_batch, prefix_batches, slot_mapping
-        )
-        scale = self.config.scale
+        step = kernels.AttentionStep(self.implementation, own_batch, prefix_batches, slot_mapping)
+        scale, k_caches, v_caches = backend.config.scale, self.k_cache, self.v_cache
 
-        if self.op_profile is None:
+        if backend.op_profile is None:
 
             def attention(layer: int, q, k, v):
-                return step(q, k, v, self.k_cache[layer], self.v_cache[layer], scale)
+                return step(q, k, v, k_caches[layer], v_caches[layer], scale)
 
         else:
-            store = self.op_profile.timed("kv_store", step.store)
-            attend = self.op_profile.timed("attention", step.attend)
+            store = backend.op_profile.timed("kv_store", step.store)
+            attend = backend.op_profile.timed("attention", step.attend)
 
             def attention(layer: int, q, k, v):
-                k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+                k_cache, v_cache = k_caches[layer], v_caches[layer]
                 store(k, v, k_cache, v_cache)
                 return attend(q, k_cache, v_cache, scale)
 
-        return {
-            "input_ids": torch.tensor(input_ids, dtype=torch.int64, device=device),
-            "positions": torch.tensor(positions, dtype=torch.int64, device=device),
-            "attention": attention,
-            "step": step,
-            "last_rows": torch.tensor(last_rows, dtype=torch.int64, device=device),
-        }
-
-
-class _NativeSteps:
-    """One run on the native backend: its KV pool (it lives for the run) and scheduler."""
-
-    @torch.inference_mode()
-    def __init__(self, backend: NativeBackend, run: Run) -> None:
-        self.backend, self.run = backend, run
-        plan = run.plan
-        num_blocks = backend._num_blocks(plan)
-        backend._run_implementation = implementation = backend._implementation()
-        backend.k_cache, backend.v_cache = backend._kv_pool(implementation, num_blocks)
-        self.scheduler = Scheduler(
-            plan,
-            BlockManager(num_blocks, backend.block_size),
-            **backend.scheduling,
+        return StepBatch(
+            torch.tensor(input_ids, dtype=torch.int64, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device),
+            attention,
+            step,
+            torch.tensor(last_rows, dtype=torch.int64, device=device),
         )
-        self.reported = 0  # scheduler.rejected already failed in the run
-        backend.last_profile = {
-            "schedule": 0.0, "forward": 0.0, "sample": 0.0, "iterations": 0, "steps": [],
-            "num_blocks": num_blocks,
-        }  # fmt: skip
 
     @torch.inference_mode()
     def step(self) -> bool:
         scheduler, run, backend = self.scheduler, self.run, self.backend
         if scheduler.done:
             return False
-        profile, ops = backend.last_profile, backend.op_profile
+        profile, ops = self.profile, backend.op_profile
         model, sample = backend.model, run.sample
         compute_logits = model.compute_logits
         regions = None
@@ -252,25 +279,24 @@ class _NativeSteps:
             regions = TimedOps(fused.fused_ops(backend.device, backend.dtype), ops)
         started = step_started = time.perf_counter()
         chunks = scheduler.schedule()
-        batch = backend._batch(chunks, scheduler)
-        profile["schedule"] += time.perf_counter() - started
+        batch = self._batch(chunks)
+        profile.schedule += time.perf_counter() - started
         started = time.perf_counter()
-        decoder, tokens = backend.decoder, len(batch["input_ids"])
-        if decoder is not None and decoder.runs(tokens, batch["step"]):
+        decoder, tokens = backend.decoder, len(batch.input_ids)
+        if decoder is not None and decoder.runs(tokens, batch.step):
             seconds = None if ops is None else torch.zeros(len(TIMED_KINDS), dtype=torch.float64)
             hidden = decoder(
-                batch["input_ids"], batch["positions"], batch["step"], backend.k_cache,
-                backend.v_cache, seconds,
-            )  # fmt: skip
+                batch.input_ids, batch.positions, batch.step, self.k_cache, self.v_cache, seconds
+            )
             if ops is not None:
                 for kind, value in zip(TIMED_KINDS, seconds.tolist()):
                     ops.add(kind, value)
         else:
-            hidden = model(batch["input_ids"], batch["positions"], batch["attention"], regions)
+            hidden = model(batch.input_ids, batch.positions, batch.attention, regions)
         sampled = [c for c in chunks if c.sample]
         if sampled:
-            logits = compute_logits(hidden[batch["last_rows"]])
-        profile["forward"] += time.perf_counter() - started
+            logits = compute_logits(hidden[batch.last_rows])
+        profile.forward += time.perf_counter() - started
         started = time.perf_counter()
         scheduler.complete(chunks)
         if sampled:
@@ -284,20 +310,20 @@ class _NativeSteps:
             run.fail(request_id, message)
         self.reported = len(scheduler.rejected)
         run.prefill_tokens = scheduler.stats.prefill_tokens
-        profile["sample"] += time.perf_counter() - started
-        profile["iterations"] += 1
+        profile.sample += time.perf_counter() - started
+        profile.iterations += 1
         # (tokens, rows sampled, seconds) of this iteration: decode-only when they are equal
         seconds = time.perf_counter() - step_started
-        profile["steps"].append((int(batch["input_ids"].shape[0]), len(sampled), seconds))
+        profile.steps.append((int(batch.input_ids.shape[0]), len(sampled), seconds))
         if ops is not None:
-            profile.setdefault("ops", []).append(ops.end(seconds))
+            if profile.ops is None:
+                profile.ops = []
+            profile.ops.append(ops.end(seconds))
         return True
 
     def close(self) -> None:
-        stats = self.scheduler.stats
-        self.backend.k_cache = self.backend.v_cache = []  # the pool stays for the next run
-        self.backend.last_profile.update(
-            preemptions=stats.preemptions,
-            segment_evictions=stats.segment_evictions,
-            max_running=stats.max_running,
-        )
+        stats, profile = self.scheduler.stats, self.profile
+        self.k_cache = self.v_cache = []  # the pool stays on the backend for the next run
+        profile.preemptions = stats.preemptions
+        profile.segment_evictions = stats.segment_evictions
+        profile.max_running = stats.max_running

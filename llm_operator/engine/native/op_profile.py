@@ -3,8 +3,8 @@
 With ``LLM_OPERATOR_PROFILE_OPS=1`` in its environment, a ``NativeBackend`` times every
 linear layer (the LM head included), the attention, the K/V store, the elementwise regions
 (norms, RoPE, SiLU) and the sampling of each iteration, and lists them in
-``last_profile["ops"]``, one ``{kind: seconds}`` dict per iteration beside
-``last_profile["steps"]``. ``host`` is what is left of the iteration: Python and dispatch
+``last_profile.ops``, one ``{kind: seconds}`` dict per iteration beside
+``last_profile.steps``. ``host`` is what is left of the iteration: Python and dispatch
 between the ops, the scheduler and the step's metadata. Timing costs about a microsecond
 per op, so it stays off unless asked for.
 """

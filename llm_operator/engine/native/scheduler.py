@@ -55,6 +55,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from llm_operator.config import EngineConfig
 from llm_operator.engine.native.block_manager import BlockManager
 from llm_operator.engine.native.prefix_pins import PrefixPins
 from llm_operator.engine.native.sequence import (
@@ -67,7 +68,7 @@ from llm_operator.engine.native.sequence import (
     KVSequence,
     ScheduledChunk,
 )
-from llm_operator.options import BY_NAME
+from llm_operator.option_fields import boolean, integer
 from llm_operator.planner.plan import Plan
 
 __all__ = ["Scheduler", "SchedulerStats", "ScheduledChunk", "KVSequence"]
@@ -93,31 +94,26 @@ class Scheduler:
         plan: Plan,
         blocks: BlockManager,
         *,
-        max_batched_tokens: int = BY_NAME["prefill_batch_tokens"].default,
-        max_running: int = BY_NAME["max_batch_size"].default,
+        max_batched_tokens: int = EngineConfig.prefill_batch_tokens,
+        max_running: int = EngineConfig.max_batch_size,
         decode_reserve: float = 0.5,
-        share_prefixes: bool = True,
-        token_batching: bool = True,
+        share_prefixes: bool = EngineConfig.share_prefixes,
+        token_batching: bool = EngineConfig.token_batching,
     ) -> None:
+        """The defaults are ``EngineConfig``'s (``from_config`` takes them from one); the
+        options are checked as the engine options they come from."""
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a Plan, got {type(plan).__name__}")
         if not isinstance(blocks, BlockManager):
             raise TypeError(f"blocks must be a BlockManager, got {type(blocks).__name__}")
-        for name, value in (
-            ("max_batched_tokens", max_batched_tokens),
-            ("max_running", max_running),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {value!r}")
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value!r}")
+        max_batched_tokens = integer(1)("max_batched_tokens", max_batched_tokens)
+        max_running = integer(1)("max_running", max_running)
         if isinstance(decode_reserve, bool) or not isinstance(decode_reserve, (int, float)):
             raise TypeError(f"decode_reserve must be a float, got {decode_reserve!r}")
         if not (math.isfinite(decode_reserve) and decode_reserve >= 0):
             raise ValueError(f"decode_reserve must be finite and >= 0, got {decode_reserve!r}")
-        for name, flag in (("share_prefixes", share_prefixes), ("token_batching", token_batching)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        share_prefixes = boolean("share_prefixes", share_prefixes)
+        token_batching = boolean("token_batching", token_batching)
         self.plan, self.blocks = plan, blocks
         self.max_batched_tokens, self.max_running = max_batched_tokens, max_running
         self.decode_reserve, self.share_prefixes = decode_reserve, share_prefixes
@@ -141,6 +137,23 @@ class Scheduler:
         self._num_finished = 0
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
+
+    @classmethod
+    def from_config(
+        cls, plan: Plan, blocks: BlockManager, config: EngineConfig, **options: float
+    ) -> Scheduler:
+        """A scheduler with ``config``'s settings: ``prefill_batch_tokens`` per iteration,
+        ``max_batch_size`` running requests, ``share_prefixes``, ``token_batching``;
+        ``options``: the scheduler's own (``decode_reserve``)."""
+        return cls(
+            plan,
+            blocks,
+            max_batched_tokens=config.prefill_batch_tokens,
+            max_running=config.max_batch_size,
+            share_prefixes=config.share_prefixes,
+            token_batching=config.token_batching,
+            **options,
+        )
 
     # ------------------------------------------------------------------ runner interface
 

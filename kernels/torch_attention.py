@@ -1,4 +1,5 @@
-"""Torch reference for the native engine's attention over a paged KV cache.
+"""Torch attention over a paged KV cache: the engine's CPU fallback path, and the
+oracle of the Triton and compiled CPU kernels.
 
 Shared-prefix attention (Hydragen, FlashInfer cascade, BatchLLM) splits a request's
 attention over ``[shared prefix ; own tokens]`` into two parts over disjoint keys:
@@ -8,145 +9,52 @@ attention over ``[shared prefix ; own tokens]`` into two parts over disjoint key
   every row);
 - ``own_attention``: each request's rows against its own K/V, causal;
 
-and ``merge_attention_states`` combines the ``(out, lse)`` results by log-sum-exp.
-These functions are the CPU path of the engine and the oracle for the Triton kernels
-(``triton_attention.py``), which share their signatures and semantics.
+and ``merge_attention_states`` combines the ``(out, lse)`` results by log-sum-exp;
+``store_kv`` writes a step's K/V into the cache. The engine runs them where no faster
+kernel applies (CPU tensors the compiled CPU kernels do not take or could not be built
+for, a device whose Triton kernels failed their self-check, ``LLM_OPERATOR_KERNELS=torch``),
+and they are the oracle for the Triton kernels (``triton_attention.py``, which share their
+signatures and semantics) and the compiled CPU kernels (``cpu_kernels.cpp`` through
+``cpu_ops.py``).
 
-Layout of one layer's cache (a token's slot is ``block_id * block_size + offset``)::
-
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
-
-GQA: query head ``h`` reads KV head ``h // group`` (``group = num_heads // num_kv_heads``),
-the order ``repeat_interleave`` gives. Inputs may be fp16, bf16 or fp32 (q and the cache
-alike); scores, softmax and sums run in fp32; ``out`` comes back in q's dtype and ``lse``
-(natural log of the softmax denominator over scaled scores) in fp32. A row that sees no
-key gets ``out = 0`` and ``lse = -inf``.
+The cache layout, the step's batches (``OwnBatch``, ``PrefixBatch``), GQA, the dtypes
+and the argument checks are in ``metadata.py``.
 
 Work is split into row tiles and request groups so one batched matmul materializes at
 most about ``MAX_SCORE_ELEMENTS`` fp32 values; the loops run over tiles and groups,
-never over tokens. Index values (slots, block ids, lengths) are checked here, on the
-host; the Triton launchers check shapes, strides and dtypes only.
+never over tokens.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from llm_operator.kernels.metadata import (
+    AttentionOutput,
+    OwnBatch,
+    PrefixBatch,
+    _check_range,
+    check_launch,
+    check_merge_parts,
+    check_scale,
+    check_store,
+)
+
 __all__ = [
     "MAX_SCORE_ELEMENTS",
-    "AttentionOutput",
-    "OwnBatch",
-    "PrefixBatch",
-    "chain_batch",
-    "check_launch",
-    "check_merge_parts",
-    "check_scale",
-    "check_store",
     "merge_attention_states",
     "own_attention",
-    "own_batch",
     "prefix_attention",
-    "prefix_batch",
     "store_kv",
 ]
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-INDEX_DTYPES = (torch.int32, torch.int64)
 # Most fp32 elements (scores plus gathered K/V) one batched step materializes: 64 MiB.
 MAX_SCORE_ELEMENTS = 1 << 24
-
-
-class AttentionOutput(NamedTuple):
-    """Attention over some keys: ``out`` [rows, num_heads, head_dim] in q's dtype,
-    ``lse`` [rows, num_heads] float32 (-inf for a row that saw no key)."""
-
-    out: Tensor
-    lse: Tensor
-
-
-# ---------------------------------------------------------------- argument checks
-
-
-def _check_tensor(name: str, value: object, ndim: int, layout: str) -> Tensor:
-    if not isinstance(value, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(value).__name__}")
-    if value.dim() != ndim:
-        raise ValueError(f"{name} must be {layout}, got shape {tuple(value.shape)}")
-    return value
-
-
-def _check_kv_cache(k_cache: Tensor, v_cache: Tensor) -> tuple[int, int, int, int]:
-    layout = "[num_blocks, block_size, num_kv_heads, head_dim]"
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_tensor(name, cache, 4, layout)
-        if cache.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {cache.dtype}")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}"
-        )
-    if v_cache.dtype != k_cache.dtype:
-        raise TypeError(f"v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
-    if v_cache.device != k_cache.device:
-        raise ValueError(f"v_cache is on {v_cache.device} but k_cache on {k_cache.device}")
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    return num_blocks, block_size, num_kv_heads, head_dim
-
-
-def _check_like_cache(name: str, value: Tensor, k_cache: Tensor) -> None:
-    if value.dtype != k_cache.dtype:
-        raise TypeError(f"{name} dtype {value.dtype} != k_cache dtype {k_cache.dtype}")
-    if value.device != k_cache.device:
-        raise ValueError(f"{name} is on {value.device} but k_cache on {k_cache.device}")
-
-
-def _check_query(q: Tensor, k_cache: Tensor) -> int:
-    """Check q [T, num_heads, head_dim] against the cache; return the GQA group size."""
-    _check_tensor("q", q, 3, "[tokens, num_heads, head_dim]")
-    _check_like_cache("q", q, k_cache)
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads, cache_head_dim = k_cache.shape[2], k_cache.shape[3]
-    if head_dim != cache_head_dim:
-        raise ValueError(f"q head_dim {head_dim} != k_cache head_dim {cache_head_dim}")
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"q num_heads {num_heads} is not a multiple of k_cache num_kv_heads {num_kv_heads}"
-        )
-    return num_heads // num_kv_heads
-
-
-def _check_index(name: str, value: object, ndim: int, layout: str, device: torch.device) -> Tensor:
-    tensor = _check_tensor(name, value, ndim, layout)
-    if tensor.dtype not in INDEX_DTYPES:
-        raise TypeError(f"{name} must be int32 or int64, got {tensor.dtype}")
-    if tensor.device != device:
-        raise ValueError(f"{name} is on {tensor.device} but q and the cache on {device}")
-    return tensor
-
-
-def _check_range(name: str, values: Tensor, upper: int) -> None:
-    if values.numel() == 0:
-        return
-    low, high = int(values.min()), int(values.max())
-    if low < 0 or high >= upper:
-        raise ValueError(f"{name} values must lie in [0, {upper}), got min {low} and max {high}")
-
-
-def check_scale(scale: object) -> float:
-    """The softmax scale as a finite float (shared by every implementation)."""
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale!r}")
-    return float(scale)
 
 
 # ---------------------------------------------------------------- core
@@ -282,29 +190,6 @@ def _attend(
 # ---------------------------------------------------------------- public operations
 
 
-def check_store(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor):
-    """Shapes, dtypes and devices of store_kv's arguments (shared by every implementation;
-    slot values are not read). Returns (num_blocks, block_size)."""
-    num_blocks, block_size, num_kv_heads, head_dim = _check_kv_cache(k_cache, v_cache)
-    layout = "[tokens, num_kv_heads, head_dim]"
-    for name, value in (("k", k), ("v", v)):
-        _check_tensor(name, value, 3, layout)
-        _check_like_cache(name, value, k_cache)
-        if tuple(value.shape[1:]) != (num_kv_heads, head_dim):
-            raise ValueError(
-                f"{name} must be {layout} with num_kv_heads {num_kv_heads} and head_dim "
-                f"{head_dim} (from k_cache), got shape {tuple(value.shape)}"
-            )
-    if v.shape != k.shape:
-        raise ValueError(f"v shape {tuple(v.shape)} != k shape {tuple(k.shape)}")
-    _check_index("slot_mapping", slot_mapping, 1, "[tokens]", k_cache.device)
-    if slot_mapping.shape[0] != k.shape[0]:
-        raise ValueError(
-            f"slot_mapping has {slot_mapping.shape[0]} slots but k has {k.shape[0]} tokens"
-        )
-    return num_blocks, block_size
-
-
 def store_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
     """Write this step's keys and values into the paged cache, in place.
 
@@ -325,307 +210,6 @@ def store_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
     block_ids, offsets = slots // block_size, slots % block_size  # [T], [T]
     k_cache[block_ids, offsets] = k
     v_cache[block_ids, offsets] = v
-
-
-# ---------------------------------------------------------------- batches (built once per step)
-
-
-@dataclass(eq=False)
-class OwnBatch:
-    """One step's own-attention layout, validated once by ``own_batch``, reused by every layer.
-
-    Request b owns q rows ``query_start[b]:query_start[b + 1]`` (n_b rows, possibly 0) and
-    the own K/V at its blocks ``block_tables[b]``; after this step it holds
-    ``context_lens[b]`` own tokens, and its row j sits at own position
-    ``context_lens[b] - n_b + j`` (causal: it sees own positions 0 .. that one).
-    """
-
-    query_start: Tensor  # [B + 1] int32, cumulative, query_start[B] = num_rows
-    block_tables: Tensor  # [B, max_blocks] int32, padded with 0 past the used blocks
-    context_lens: Tensor  # [B] int32
-    num_rows: int  # T, rows of q
-    block_size: int  # of the cache this batch was validated for
-    num_blocks: int
-    max_query_rows: int  # max n_b (for launch grids)
-    max_context_len: int  # max context_lens[b]
-    host_query_start: tuple[int, ...]
-    host_context_lens: tuple[int, ...]
-    # Per-implementation launch data derived on first use and reused by later layers.
-    derived: dict = field(default_factory=dict, repr=False)
-
-
-@dataclass(eq=False)
-class PrefixBatch:
-    """One step's rows against shared prefix segments (one level of the segment chains),
-    validated once by ``prefix_batch``; each q row reads at most one segment of the batch.
-
-    Segment s is read by q rows ``rows[row_start[s]:row_start[s + 1]]`` (decode rows and
-    prefill chunks of every request sharing it), non-causally: each of them sees all
-    ``lengths[s]`` tokens at the blocks ``block_tables[s]``.
-    """
-
-    rows: Tensor  # [N] int64, q row indices grouped by segment, each row at most once
-    row_start: Tensor  # [S + 1] int32, cumulative, row_start[S] = N
-    block_tables: Tensor  # [S, max_blocks] int32, padded with 0 past the used blocks
-    lengths: Tensor  # [S] int32, tokens in each segment (>= 0)
-    num_rows: int  # T, rows of q (rows in no segment get out 0, lse -inf)
-    block_size: int
-    num_blocks: int
-    max_segment_rows: int  # max rows of one segment (for launch grids)
-    max_length: int  # longest segment
-    host_rows: tuple[int, ...]
-    host_row_start: tuple[int, ...]
-    host_lengths: tuple[int, ...]
-    # chain_batch only: [S, max_length] int64 cache slots of each segment's keys in order
-    # (block_tables is then [S, 0]); the torch path reads any slot list, Triton does not.
-    slot_tables: Tensor | None = None
-    derived: dict = field(default_factory=dict, repr=False)
-
-
-def _int_list(name: str, value: object, ndim: int) -> list:
-    """A host copy of integer indices given as a tensor or nested sequences of ints."""
-    if isinstance(value, Tensor):
-        if value.dtype not in INDEX_DTYPES:
-            raise TypeError(f"{name} must be int32 or int64, got {value.dtype}")
-        if value.dim() != ndim:
-            raise ValueError(
-                f"{name} must have {ndim} dimension(s), got shape {tuple(value.shape)}"
-            )
-        return value.tolist()
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise TypeError(f"{name} must be a sequence of ints or an int tensor, got {value!r:.60}")
-    items = list(value)
-    if ndim == 1:
-        for item in items:
-            if isinstance(item, bool) or not isinstance(item, numbers.Integral):
-                raise TypeError(f"{name} must hold ints, got {item!r:.40}")
-        return [int(item) for item in items]
-    return [_int_list(f"{name}[{i}]", item, ndim - 1) for i, item in enumerate(items)]
-
-
-def _check_count(name: str, value: object, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
-def _check_blocks(name: str, blocks: list[int], length: int, block_size: int, num_blocks: int):
-    needed = -(-length // block_size)
-    if needed > len(blocks):
-        raise ValueError(
-            f"{name}: {length} tokens need {needed} blocks of {block_size} but it has {len(blocks)}"
-        )
-    for block in blocks[:needed]:
-        if not 0 <= block < num_blocks:
-            raise ValueError(f"{name} values must lie in [0, {num_blocks}), got {block}")
-    return blocks[:needed]
-
-
-def _table(rows: list[list[int]], device) -> Tensor:
-    width = max((len(row) for row in rows), default=0)
-    padded = [row + [0] * (width - len(row)) for row in rows]
-    return torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(rows), width)
-
-
-def own_batch(
-    query_start: Sequence[int] | Tensor,
-    block_tables: Sequence[Sequence[int]] | Tensor,
-    context_lens: Sequence[int] | Tensor,
-    *,
-    block_size: int,
-    num_blocks: int,
-    device: torch.device | str = "cpu",
-) -> OwnBatch:
-    """Validate one step's own-attention layout on the host and put it on ``device``.
-
-    query_start:  B + 1 cumulative row counts from 0
-    block_tables: B rows of block ids (entries past a request's used blocks are ignored)
-    context_lens: B own lengths after this step, each >= the request's rows
-    block_size, num_blocks: the cache's (block ids must lie in [0, num_blocks))
-    """
-    block_size = _check_count("block_size", block_size, 1)
-    num_blocks = _check_count("num_blocks", num_blocks, 0)
-    starts = _int_list("query_start", query_start, 1)
-    tables = _int_list("block_tables", block_tables, 2)
-    lengths = _int_list("context_lens", context_lens, 1)
-    if len(starts) != len(tables) + 1:
-        raise ValueError(
-            f"query_start must have num_requests + 1 = {len(tables) + 1} entries "
-            f"(block_tables has {len(tables)} rows), got {len(starts)}"
-        )
-    if len(lengths) != len(tables):
-        raise ValueError(
-            f"context_lens must have num_requests = {len(tables)} entries "
-            f"(block_tables has {len(tables)} rows), got {len(lengths)}"
-        )
-    if starts[0] != 0:
-        raise ValueError(f"query_start must run from 0, got {starts[0]}")
-    counts = [end - start for start, end in zip(starts, starts[1:])]
-    if min(counts, default=0) < 0:
-        raise ValueError(f"query_start must be non-decreasing, got {starts}")
-    used = []
-    for b, (count, length, table) in enumerate(zip(counts, lengths, tables)):
-        if length < count:
-            raise ValueError(f"context_lens[{b}] = {length} must be >= its {count} query rows")
-        used.append(_check_blocks(f"block_tables[{b}]", table, length, block_size, num_blocks))
-    return OwnBatch(
-        query_start=torch.tensor(starts, dtype=torch.int32, device=device),
-        block_tables=_table(used, device),
-        context_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
-        num_rows=starts[-1],
-        block_size=block_size,
-        num_blocks=num_blocks,
-        max_query_rows=max(counts, default=0),
-        max_context_len=max(lengths, default=0),
-        host_query_start=tuple(starts),
-        host_context_lens=tuple(lengths),
-    )
-
-
-def prefix_batch(
-    segment_rows: Sequence[Sequence[int]],
-    segment_blocks: Sequence[Sequence[int]] | Tensor,
-    lengths: Sequence[int] | Tensor,
-    *,
-    num_rows: int,
-    block_size: int,
-    num_blocks: int,
-    device: torch.device | str = "cpu",
-) -> PrefixBatch:
-    """Validate one level of shared segments on the host and put it on ``device``.
-
-    segment_rows:   per segment, the q rows that read it (each row in at most one segment)
-    segment_blocks: per segment, its blocks in order (the last may be partly filled;
-                    entries past ceil(length / block_size) are ignored)
-    lengths:        per segment, its tokens (>= 0; 0 contributes nothing)
-    num_rows:       T, rows of the q this batch will be used with
-    """
-    num_rows = _check_count("num_rows", num_rows, 0)
-    block_size = _check_count("block_size", block_size, 1)
-    num_blocks = _check_count("num_blocks", num_blocks, 0)
-    row_lists = _int_list("segment_rows", segment_rows, 2)
-    tables = _int_list("segment_blocks", segment_blocks, 2)
-    sizes = _int_list("lengths", lengths, 1)
-    if not len(row_lists) == len(tables) == len(sizes):
-        raise ValueError(
-            f"segment_rows, segment_blocks and lengths must have one entry per segment, got "
-            f"{len(row_lists)}, {len(tables)} and {len(sizes)}"
-        )
-    for s, length in enumerate(sizes):
-        if length < 0:
-            raise ValueError(f"lengths[{s}] must be >= 0, got {length}")
-    used = [
-        _check_blocks(f"segment_blocks[{s}]", table, length, block_size, num_blocks)
-        for s, (table, length) in enumerate(zip(tables, sizes))
-    ]
-    shape = {"num_rows": num_rows, "block_size": block_size, "num_blocks": num_blocks}
-    return _segment_batch(row_lists, sizes, _table(used, device), None, device=device, **shape)
-
-
-def _segment_batch(
-    row_lists: list[list[int]],
-    sizes: list[int],
-    block_tables: Tensor,
-    slot_tables: Tensor | None,
-    *,
-    num_rows: int,
-    block_size: int,
-    num_blocks: int,
-    device: torch.device | str,
-) -> PrefixBatch:
-    """The PrefixBatch of prefix_batch and chain_batch, after checking that every row lies
-    in [0, num_rows) and in at most one segment."""
-    seen: set[int] = set()
-    for s, rows in enumerate(row_lists):
-        for row in rows:
-            if not 0 <= row < num_rows:
-                raise ValueError(f"segment_rows[{s}] values must lie in [0, {num_rows}), got {row}")
-            if row in seen:
-                raise ValueError(f"q row {row} is in two segments of one batch (segment {s})")
-            seen.add(row)
-    flat = [row for rows in row_lists for row in rows]
-    starts = list(itertools.accumulate((len(rows) for rows in row_lists), initial=0))
-    return PrefixBatch(
-        rows=torch.tensor(flat, dtype=torch.int64, device=device),
-        row_start=torch.tensor(starts, dtype=torch.int32, device=device),
-        block_tables=block_tables,
-        lengths=torch.tensor(sizes, dtype=torch.int32, device=device),
-        num_rows=num_rows,
-        block_size=block_size,
-        num_blocks=num_blocks,
-        max_segment_rows=max((len(rows) for rows in row_lists), default=0),
-        max_length=max(sizes, default=0),
-        host_rows=tuple(flat),
-        host_row_start=tuple(starts),
-        host_lengths=tuple(sizes),
-        slot_tables=slot_tables,
-    )
-
-
-def chain_batch(
-    chain_rows: Sequence[Sequence[int]],
-    chain_segments: Sequence[Sequence[tuple[Sequence[int], int]]],
-    *,
-    num_rows: int,
-    block_size: int,
-    num_blocks: int,
-    device: torch.device | str = "cpu",
-) -> PrefixBatch:
-    """Every level of the segment chains in one batch (torch path only): like
-    ``prefix_batch``, but each entry is a whole chain, its keys the tokens of its
-    segments in order, so a row's shared prefix is one attention part however many
-    levels it has.
-
-    chain_rows:     per chain, the q rows that read it (each row in at most one chain)
-    chain_segments: per chain, its segments outermost first, each (blocks, length)
-    num_rows:       T, rows of the q this batch will be used with
-    """
-    num_rows = _check_count("num_rows", num_rows, 0)
-    block_size = _check_count("block_size", block_size, 1)
-    num_blocks = _check_count("num_blocks", num_blocks, 0)
-    row_lists = _int_list("chain_rows", chain_rows, 2)
-    if len(row_lists) != len(chain_segments):
-        raise ValueError(
-            f"chain_rows and chain_segments must have one entry per chain, got "
-            f"{len(row_lists)} and {len(chain_segments)}"
-        )
-    slot_lists: list[list[int]] = []
-    for c, segments in enumerate(chain_segments):
-        slots: list[int] = []
-        for blocks, length in segments:
-            name = f"chain_segments[{c}]"
-            blocks = _check_blocks(name, _int_list(name, blocks, 1), length, block_size, num_blocks)
-            slots.extend(
-                blocks[i // block_size] * block_size + i % block_size for i in range(length)
-            )
-        slot_lists.append(slots)
-    sizes = [len(slots) for slots in slot_lists]
-    no_blocks = torch.zeros((len(sizes), 0), dtype=torch.int32, device=device)
-    slot_tables = _table(slot_lists, device).long()
-    shape = {"num_rows": num_rows, "block_size": block_size, "num_blocks": num_blocks}
-    return _segment_batch(row_lists, sizes, no_blocks, slot_tables, device=device, **shape)
-
-
-def check_launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, batch, kind: type) -> int:
-    """Shape, dtype and device checks shared by every implementation (no host sync).
-    Returns the GQA group size."""
-    if not isinstance(batch, kind):
-        raise TypeError(f"batch must be a {kind.__name__}, got {type(batch).__name__}")
-    num_blocks, block_size, _, _ = _check_kv_cache(k_cache, v_cache)
-    group = _check_query(q, k_cache)
-    if (num_blocks, block_size) != (batch.num_blocks, batch.block_size):
-        raise ValueError(
-            f"the cache has {num_blocks} blocks of {block_size} but the batch was built for "
-            f"{batch.num_blocks} blocks of {batch.block_size}"
-        )
-    if q.shape[0] != batch.num_rows:
-        raise ValueError(f"q has {q.shape[0]} rows but the batch was built for {batch.num_rows}")
-    batch_device = batch.block_tables.device
-    if batch_device != q.device:
-        raise ValueError(f"the batch is on {batch_device} but q on {q.device}")
-    return group
 
 
 # ---------------------------------------------------------------- padded groups
@@ -780,7 +364,7 @@ def _tile_rows(longest: int, num_heads: int, kv_elements: int) -> int:
 def _groups(batch: OwnBatch | PrefixBatch, num_heads: int, num_kv_heads: int, head_dim: int):
     """The batch's padded groups (causal for an OwnBatch), derived on first use and cached
     in ``batch.derived`` for later layers."""
-    key = ("reference", num_heads, num_kv_heads, head_dim)
+    key = ("torch", num_heads, num_kv_heads, head_dim)
     if key not in batch.derived:
         kv_elements = 2 * num_kv_heads * head_dim
         causal = isinstance(batch, OwnBatch)
@@ -877,39 +461,6 @@ def prefix_attention(
     num_heads, head_dim = q.shape[1], q.shape[2]
     groups = _groups(batch, num_heads, k_cache.shape[2], head_dim)
     return _run_groups(q, k_cache, v_cache, groups, scale)
-
-
-def check_merge_parts(parts: object) -> tuple[list[Tensor], list[Tensor]]:
-    """Check merge_attention_states' parts (shared by every implementation); (outs, lses)."""
-    if isinstance(parts, Tensor) or not isinstance(parts, Sequence):
-        raise TypeError(f"parts must be a sequence of (out, lse) pairs, got {type(parts).__name__}")
-    if len(parts) == 0:
-        raise ValueError("parts must hold at least one (out, lse) pair, got none")
-    outs, lses = [], []
-    for index, part in enumerate(parts):
-        if not isinstance(part, (tuple, list)) or len(part) != 2:
-            raise TypeError(f"parts[{index}] must be an (out, lse) pair, got {part!r:.80}")
-        out = _check_tensor(f"parts[{index}] out", part[0], 3, "[tokens, num_heads, head_dim]")
-        lse = _check_tensor(f"parts[{index}] lse", part[1], 2, "[tokens, num_heads]")
-        if out.dtype not in FLOAT_DTYPES or lse.dtype not in FLOAT_DTYPES:
-            raise TypeError(
-                f"parts[{index}] out and lse must be floating point, got {out.dtype}, {lse.dtype}"
-            )
-        if tuple(lse.shape) != tuple(out.shape[:2]):
-            raise ValueError(
-                f"parts[{index}] lse shape {tuple(lse.shape)} != out shape[:2] "
-                f"{tuple(out.shape[:2])}"
-            )
-        if index and (out.shape != outs[0].shape or out.dtype != outs[0].dtype):
-            raise ValueError(
-                f"parts[{index}] out is {tuple(out.shape)} {out.dtype} but parts[0] out is "
-                f"{tuple(outs[0].shape)} {outs[0].dtype}"
-            )
-        if out.device != lse.device or (index and out.device != outs[0].device):
-            raise ValueError(f"parts[{index}] is not on parts[0]'s device {outs[0].device}")
-        outs.append(out)
-        lses.append(lse)
-    return outs, lses
 
 
 def merge_attention_states(parts: Sequence[tuple[Tensor, Tensor]]) -> AttentionOutput:

@@ -1,4 +1,5 @@
-"""Paged-KV attention references (llm_operator.kernels): store_kv, prefix/own attention, merge.
+"""Paged-KV attention on the torch path (kernels/torch_attention.py, the batches and checks of
+kernels/metadata.py, through llm_operator.kernels): store_kv, prefix/own attention, merge.
 
 Oracle: dense float64 attention over explicitly concatenated [prefix ; own] K/V (the
 tensors the test wrote, not read back from the cache), an explicit causal mask, and GQA
@@ -24,8 +25,8 @@ from llm_operator.kernels import (
     own_batch,
     prefix_attention,
     prefix_batch,
-    reference,
     store_kv,
+    torch_attention,
 )
 
 # Output vs the float64 oracle; parts are rounded to the dtype before the merge.
@@ -302,7 +303,7 @@ def test_int64_indices_and_tiny_work_budget(monkeypatch):
         seed=3,
     )
     whole = split_attention(case)
-    monkeypatch.setattr(reference, "MAX_SCORE_ELEMENTS", 64)
+    monkeypatch.setattr(torch_attention, "MAX_SCORE_ELEMENTS", 64)
     tiled = split_attention(case)
     torch.testing.assert_close(tiled, whole, atol=1e-6, rtol=1e-6)
     assert_matches_dense(case)
@@ -320,14 +321,14 @@ def test_explicit_path_matches_the_fused_cpu_kernel(monkeypatch):
         seed=4,
     )
     fused = split_attention(case)
-    monkeypatch.setattr(reference, "_FLASH_CPU", None)
+    monkeypatch.setattr(torch_attention, "_FLASH_CPU", None)
     explicit = split_attention(case)
     torch.testing.assert_close(explicit, fused, atol=1e-5, rtol=1e-5)
     assert_matches_dense(case)
 
 
 def test_own_attention_work_plan_covers_rows_once_within_budget(monkeypatch):
-    monkeypatch.setattr(reference, "MAX_SCORE_ELEMENTS", 20_000)
+    monkeypatch.setattr(torch_attention, "MAX_SCORE_ELEMENTS", 20_000)
     counts = [1, 1, 300, 2, 1, 17, 40, 0, 3, 1]
     context_lens = [90, 12, 310, 5, 200, 17, 100, 8, 60, 100]
     starts = list(itertools.accumulate(counts, initial=0))
@@ -335,8 +336,8 @@ def test_own_attention_work_plan_covers_rows_once_within_budget(monkeypatch):
     batch = own_batch(starts, tables, context_lens, block_size=16, num_blocks=20)
     num_heads, num_kv_heads, head_dim = 8, 2, 16
     kv_elements = 2 * num_kv_heads * head_dim
-    groups = reference._groups(batch, num_heads, num_kv_heads, head_dim)
-    assert groups is reference._groups(batch, num_heads, num_kv_heads, head_dim)  # cached
+    groups = torch_attention._groups(batch, num_heads, num_kv_heads, head_dim)
+    assert groups is torch_attention._groups(batch, num_heads, num_kv_heads, head_dim)  # cached
     rows = sorted(r for group in groups for r in group.rows.tolist())
     assert rows == list(range(starts[-1]))
     for group in groups:
@@ -359,9 +360,10 @@ def _padded_and_useful(group, num_heads: int, kv_elements: int) -> tuple[int, in
 def test_small_pieces_share_one_group_whatever_their_padding():
     """Decode rows: a call per group costs more than padding them to one shape."""
     pieces = [
-        reference._Piece(i, (i,), key_len) for i, key_len in enumerate([9, 400, 17, 30, 200, 33, 8])
+        torch_attention._Piece(i, (i,), key_len)
+        for i, key_len in enumerate([9, 400, 17, 30, 200, 33, 8])
     ]
-    groups = reference._group_pieces(pieces, num_heads=4, kv_elements=64)
+    groups = torch_attention._group_pieces(pieces, num_heads=4, kv_elements=64)
     assert [sorted(p.table for p in g) for g in groups] == [list(range(7))]
 
 
@@ -371,13 +373,13 @@ def test_large_pieces_are_grouped_within_twice_their_work():
     num_heads, kv_elements = 8, 64
     shapes = [(64, 1000), (64, 4000), (60, 1100), (64, 1900), (8, 3000), (64, 4100), (33, 900)]
     pieces = [
-        reference._Piece(i, tuple(range(rows)), keys) for i, (rows, keys) in enumerate(shapes)
+        torch_attention._Piece(i, tuple(range(rows)), keys) for i, (rows, keys) in enumerate(shapes)
     ]
-    groups = reference._group_pieces(pieces, num_heads=num_heads, kv_elements=kv_elements)
+    groups = torch_attention._group_pieces(pieces, num_heads=num_heads, kv_elements=kv_elements)
     assert sorted(p.table for g in groups for p in g) == list(range(len(shapes)))
     for group in groups:
         padded, useful = _padded_and_useful(group, num_heads, kv_elements)
-        assert padded <= 2 * useful + reference.GROUP_OVERHEAD_ELEMENTS
+        assert padded <= 2 * useful + torch_attention.GROUP_OVERHEAD_ELEMENTS
     together = {frozenset(p.table for p in g) for g in groups}
     assert not any({0, 1} <= g for g in together)  # 1000 and 4000 keys: 4x padding
     assert any({1, 5} <= g for g in together)  # 4000 and 4100 keys, 64 rows: alike

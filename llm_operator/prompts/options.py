@@ -1,0 +1,67 @@
+"""Prompt options: how a column value becomes a prompt (Spark, Dask and the CLI).
+
+Frozen and validated on construction, like ``EngineConfig`` and ``SamplingParams``; each
+field is one option of the ``prompt`` scope of ``llm_operator.options``. Imports nothing
+heavy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llm_operator.option_fields import (
+    boolean,
+    check_fields,
+    distinct_strings,
+    documented,
+    option,
+    optional,
+    split_commas,
+    text,
+)
+
+
+@documented
+@dataclass(frozen=True)
+class PromptOptions:
+    """How each row's value (or columns) becomes a prompt."""
+
+    chat: bool = option(
+        False, doc="send each prompt as a user chat message", check=boolean, cli="flag"
+    )
+    system: str | None = option(
+        None, doc="a system message before each prompt (implies chat)", check=optional(text)
+    )
+    # -- prompts built from a table's columns (llm_operator.prompts.table) -------------
+    template: str | None = option(
+        None,
+        doc="build each prompt from the row's columns, e.g. \"Title: {title}\\nGenres: {genres}"
+        '\\nIs it a comedy?" (nulls render empty)',
+        check=optional(text),
+    )
+    columns: tuple[str, ...] | None = option(
+        None,
+        doc="build each prompt as the instruction, then one `name: value` line per column",
+        check=distinct_strings("column name"),
+        cli_type=split_commas,
+    )
+    instruction: str | None = option(
+        None, doc="the text before the columns' lines (with columns)", check=optional(text)
+    )
+    reorder_fields: bool = option(
+        False,
+        doc="reorder the movable field lines (one field per line, in a run of such lines) to "
+        "share the most prefix over the whole table, and co-locate rows by the prompt",
+        check=boolean,
+        cli="flag",
+    )
+    dedupe: bool = option(
+        False,
+        doc="compute identical prompts once over the whole table (co-locates rows by the "
+        "prompt; identical prompts then get identical outputs, sampled or not)",
+        check=boolean,
+        cli="flag",
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)

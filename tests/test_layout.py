@@ -1,0 +1,83 @@
+"""The layout's promises: what a driver imports, and which layer may import which.
+
+- Building ``SamplingParams`` and ``EngineConfig``, importing the Spark and Dask
+  integrations and building a Dask ``llm_infer`` graph (what a driver does) import
+  neither torch, transformers nor xgrammar: a fresh interpreter checks ``sys.modules``.
+- ``kernels/`` imports nothing above it; the library (``llm_operator``, ``kernels``,
+  ``integrations``) never imports ``llm_operator_bench`` except where the command line
+  hands it the ``bench`` and ``demo`` commands.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "transformers", "xgrammar")
+
+DRIVER_SCRIPT = f"""
+HEAVY = {HEAVY!r}
+import json, sys, time
+started = time.perf_counter()
+from llm_operator import EngineConfig, SamplingParams
+SamplingParams(max_tokens=8, stop=["\\n"], temperature=0.5, seed=3, choices=["yes", "no"])
+EngineConfig(backend="native", prefill_batch_tokens=512)
+params_seconds = time.perf_counter() - started
+import pandas as pd
+import dask.dataframe as dd
+from llm_operator.integrations import dask as llm_dask
+import llm_operator.integrations.spark  # noqa: F401
+frame = dd.from_pandas(pd.DataFrame({{"p": ["a", "b", "c"]}}), npartitions=2)
+out = llm_dask.llm_infer(frame, "p", model="/nowhere/model", max_tokens=4, temperature=0.0)
+assert "out" in out.columns
+print(json.dumps({{
+    "loaded": [name for name in HEAVY if name in sys.modules],
+    "params_seconds": params_seconds,
+}}))
+"""
+
+
+def test_a_driver_imports_no_torch_transformers_or_xgrammar() -> None:
+    completed = subprocess.run(
+        [sys.executable, "-c", DRIVER_SCRIPT], capture_output=True, text=True, timeout=300
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    report = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert report["loaded"] == [], f"a driver imported {report['loaded']}"
+
+
+def _imports(path: Path) -> list[str]:
+    """Every module a file imports (absolute names; relative imports are not used here)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.append(node.module)
+    return names
+
+
+def test_kernels_import_nothing_above_them() -> None:
+    offending = {
+        f"{path.name}: {name}"
+        for path in (ROOT / "kernels").glob("*.py")
+        for name in _imports(path)
+        if name.startswith("llm_operator") and not name.startswith("llm_operator.kernels")
+    }
+    assert not offending, sorted(offending)
+
+
+def test_the_library_never_imports_the_benchmarks() -> None:
+    allowed = {ROOT / "llm_operator" / "cli" / "main.py"}  # hands over `bench` and `demo`
+    offending = {
+        f"{path.relative_to(ROOT)}: {name}"
+        for folder in ("llm_operator", "kernels", "integrations")
+        for path in (ROOT / folder).rglob("*.py")
+        for name in _imports(path)
+        if name.startswith("llm_operator_bench") and path not in allowed
+    }
+    assert not offending, sorted(offending)
