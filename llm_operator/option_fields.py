@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import functools
 import json
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -98,14 +100,37 @@ def describe_line(name: str, default: Any, doc: str) -> str:
 
 
 def documented(cls: type[T]) -> type[T]:
-    """Class decorator (above ``@dataclass``): append the options' docs to the docstring."""
+    """Class decorator (above ``@dataclass``): append the options' docs to the docstring,
+    and make an unknown keyword's TypeError name the closest options."""
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     lines = [
         describe_line(field.name, field.default, spec.doc)
         for field in dataclasses.fields(cls)  # type: ignore[arg-type]
         if (spec := option_spec(field)) is not None
     ]
     cls.__doc__ = f"{cls.__doc__ or ''}\n\nOptions:\n" + "\n".join(lines) + "\n"
+    generated = cls.__init__
+
+    @functools.wraps(generated)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        unknown = [name for name in kwargs if name not in names]
+        if unknown:
+            raise TypeError(f"{cls.__name__}: {unknown_options_message(unknown, names)}")
+        generated(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
     return cls
+
+
+def unknown_options_message(unknown: Sequence[str], known: Sequence[str]) -> str:
+    """``unknown option 'max_token' (did you mean 'max_tokens'?); known: ...``."""
+    parts = []
+    for name in sorted(unknown):
+        close = difflib.get_close_matches(name, known, n=2, cutoff=0.6)
+        hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+        parts.append(f"{name!r}{hint}")
+    noun = "option" if len(parts) == 1 else "options"
+    return f"unknown {noun} {', '.join(parts)}; known: {', '.join(known)}"
 
 
 # -- checks: each returns the value to keep (normalized) or raises naming the option ------
@@ -302,12 +327,28 @@ def split_commas(value: str) -> list[str]:
 
 
 def read_json_file(path: str) -> str:
+    """The command line's JSON value: inline JSON (text starting with ``{``), else a file."""
     from pathlib import Path
 
+    if path.lstrip().startswith("{"):
+        return path
     try:
         return Path(path).read_text()
     except OSError as error:
-        raise argparse.ArgumentTypeError(f"cannot read {path}: {error}") from None
+        raise argparse.ArgumentTypeError(
+            f"{path!r} is neither inline JSON (starting with '{{') nor a readable file: "
+            f"{error.strerror or error}"
+        ) from None
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def cli_text(text: str) -> str:
+    r"""Command-line text with ``\n``, ``\t``, ``\r`` and ``\\`` decoded, as a shell
+    passes them literally (``--template "Title: {title}\nIs it a comedy?"``); any other
+    backslash stays as typed (regexes keep theirs: ``--regex`` is not decoded)."""
+    return re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m.group(1)], text)
 
 
 def parse_keyword_item(item: str) -> tuple[str, Any]:

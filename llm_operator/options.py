@@ -36,6 +36,7 @@ from llm_operator.option_fields import (
     describe_line,
     option_spec,
     parse_memory_size,
+    unknown_options_message,
 )
 from llm_operator.prompts.options import PromptOptions
 from llm_operator.sampling import SamplingParams
@@ -131,8 +132,8 @@ def split(options: Mapping[str, Any], scopes: Iterable[str] = SCOPES) -> dict[st
     scopes = tuple(scopes)
     unknown = sorted(n for n in options if n not in BY_NAME or BY_NAME[n].scope not in scopes)
     if unknown:
-        known = ", ".join(o.name for o in OPTIONS if o.scope in scopes)
-        raise TypeError(f"unknown option(s) {', '.join(map(repr, unknown))}; known: {known}")
+        known = [o.name for o in OPTIONS if o.scope in scopes]
+        raise TypeError(unknown_options_message(unknown, known))
     by_scope: dict[str, dict] = {name: {} for name in scopes}
     for name, value in options.items():
         by_scope[BY_NAME[name].scope][name] = value
@@ -184,6 +185,7 @@ def add_arguments(parser: argparse.ArgumentParser, scopes: Iterable[str] = SCOPE
                 group.add_argument(option.flag, action=argparse.BooleanOptionalAction, **common)
             elif option.cli == "append":
                 group.add_argument(option.flag, action="append", metavar="TEXT",
+                                   type=_parser_of(option),
                                    **{**common, "help": help_text + "; repeatable"})  # fmt: skip
             elif option.cli == "items":
                 flag = option.flag.removesuffix("s")  # --vllm-option KEY=VALUE

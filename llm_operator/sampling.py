@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from llm_operator.option_fields import (
     boolean,
     check_fields,
+    cli_text,
     distinct_strings,
     documented,
     integer,
@@ -55,6 +56,7 @@ class SamplingParams:
         doc="strings that end generation (the text stops before them)",
         check=stop_strings,
         cli="append",
+        cli_type=cli_text,
     )
     seed: int | None = option(
         None,
@@ -77,7 +79,7 @@ class SamplingParams:
     # a dict or JSON text, kept as JSON text
     json_schema: str | None = option(
         None,
-        doc="the output is JSON valid under this schema (a dict or JSON text; CLI: a file)",
+        doc="the output is JSON valid under this schema (a dict or JSON text; CLI: inline JSON or a file)",
         check=json_schema_text,
         cli_type=read_json_file,
     )

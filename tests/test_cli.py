@@ -352,7 +352,8 @@ def test_a_bad_constraint_flag_fails_before_any_work(tiny_llama_dir, reviews_csv
     schema_file.write_text('{"type": "objekt"}')
     for flags, message in (
         (["--json-schema", str(schema_file)], "json_schema"),
-        (["--json-schema", str(tmp_path / "missing.json")], "cannot read"),
+        (["--json-schema", str(tmp_path / "missing.json")], "nor a readable file"),
+        (["--json-schema", '{"type": "objekt"}'], "json_schema"),
         (["--regex", "[0-9"], "regex"),
         (["--choices", "a,a"], "duplicates"),
         (["--choices", "a", "--regex", "a"], "at most one"),

@@ -207,6 +207,47 @@ def test_an_unknown_option_is_refused_naming_it() -> None:
         LLMOperator("no-such-model", max_batch=3)
 
 
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: SamplingParams(max_token=8),
+        lambda: EngineConfig(max_batchsize=8),
+        lambda: _partition.make_options(model="m", max_token=8),
+        lambda: LLMOperator("no-such-model", max_batchsize=8),
+    ],
+)
+def test_an_unknown_option_suggests_the_closest(call) -> None:
+    """A misspelt option names the option meant (max_token -> max_tokens), not only the
+    list of every option; the class's own TypeError is not Python's bare one."""
+    with pytest.raises(TypeError, match=r"unknown option '(max_token|max_batchsize)' \(did you "
+                       r"mean '(max_tokens|max_batch_size)'"):  # fmt: skip
+        call()
+
+
+def test_the_command_line_decodes_escapes_and_takes_inline_json(tmp_path) -> None:
+    """A shell passes ``\\n`` literally: the CLI decodes it in --template, --instruction,
+    --system and --stop (not in --regex); --json-schema is inline JSON or a file."""
+    parser = build_parser()
+    schema = '{"type": "object", "properties": {"a": {"type": "string"}}}'
+    argv = ["run", "in.csv", "--output", "o.jsonl", "--template", r"Title: {title}\nIs it?",
+            "--instruction", r"a\tb", "--system", r"one\ntwo", "--stop", r"\n", "--stop", "END",
+            "--regex", r"\d+", "--json-schema", schema]  # fmt: skip
+    chosen = option_table.from_arguments(parser.parse_args(argv))
+    assert chosen["template"] == "Title: {title}\nIs it?"
+    assert chosen["instruction"] == "a\tb" and chosen["system"] == "one\ntwo"
+    assert chosen["stop"] == ["\n", "END"]
+    assert chosen["regex"] == r"\d+"
+    assert json.loads(chosen["json_schema"]) == json.loads(schema)
+    path = tmp_path / "schema.json"
+    path.write_text(schema)
+    argv[-1] = str(path)
+    assert json.loads(option_table.from_arguments(parser.parse_args(argv))["json_schema"]) == {
+        "type": "object", "properties": {"a": {"type": "string"}}}  # fmt: skip
+    argv[-1] = str(tmp_path / "missing.json")
+    with pytest.raises(SystemExit):
+        parser.parse_args(argv)
+
+
 def test_every_option_reaches_the_worker_operator(tiny_llama_dir) -> None:
     """InferOptions -> the worker's LLMOperator (get_operator) and its sampling."""
     options = _partition.make_options(model=str(tiny_llama_dir), **PROBES)

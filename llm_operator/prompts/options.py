@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from llm_operator.option_fields import (
     boolean,
     check_fields,
+    cli_text,
     distinct_strings,
     documented,
     option,
@@ -30,14 +31,18 @@ class PromptOptions:
         False, doc="send each prompt as a user chat message", check=boolean, cli="flag"
     )
     system: str | None = option(
-        None, doc="a system message before each prompt (implies chat)", check=optional(text)
+        None,
+        doc="a system message before each prompt (implies chat)",
+        check=optional(text),
+        cli_type=cli_text,
     )
     # -- prompts built from a table's columns (llm_operator.prompts.table) -------------
     template: str | None = option(
         None,
         doc="build each prompt from the row's columns, e.g. \"Title: {title}\\nGenres: {genres}"
-        '\\nIs it a comedy?" (nulls render empty)',
+        '\\nIs it a comedy?" (nulls render empty; the CLI decodes \\n and \\t)',
         check=optional(text),
+        cli_type=cli_text,
     )
     columns: tuple[str, ...] | None = option(
         None,
@@ -46,7 +51,10 @@ class PromptOptions:
         cli_type=split_commas,
     )
     instruction: str | None = option(
-        None, doc="the text before the columns' lines (with columns)", check=optional(text)
+        None,
+        doc="the text before the columns' lines (with columns)",
+        check=optional(text),
+        cli_type=cli_text,
     )
     reorder_fields: bool = option(
         False,
