@@ -128,11 +128,17 @@ def test_plan_prints_the_report_without_the_model(tiny_llama_dir, reviews_csv, c
     ("args", "message"),
     [
         (["--prompt-col", "missing"], "prompt column 'missing' is not in the table"),
+        (["--prompt-col", "id"], "prompt column 'id' holds int64 values, not text"),
         (["--template", "Review: {nope}"], "the prompt names column(s) ['nope']"),
         (["--columns", "text,nope"], "the prompt names column(s) ['nope']"),
         (["--columns", ""], "column names"),
         ([], "give --prompt-col, or build prompts with --template or --columns"),
-        (["--prompt-col", "text", "--template", "{text}"], "give --prompt-col, or build"),
+        (
+            ["--prompt-col", "text", "--template", "{text}"],
+            "give --prompt-col or --template, not both",
+        ),
+        (["--prompt-col", "text", "--columns", "text"], "give --prompt-col or --columns, not both"),
+        (["--template", '{"a": 1} {text}'], "write a literal brace as {{ or }}"),
         (["--template", "{text}", "--reorder-fields"], "no movable lines"),
     ],
 )

@@ -101,7 +101,13 @@ def _load_prompts(args) -> Loaded:
         if name in options:
             options[name] = option_table.BY_NAME[name].validate(options[name])
     given = table_options(dict(options))  # also refuses --reorder-fields with nothing to move
-    if (given is None) == (args.prompt_col is None):
+    if given is not None and args.prompt_col is not None:
+        flag = "--template" if options.get("template") is not None else "--columns"
+        raise ValueError(
+            f"give --prompt-col or {flag}, not both: --prompt-col takes each row's prompt from "
+            f"one column, {flag} builds it from the row's columns"
+        )
+    if given is None and args.prompt_col is None:
         raise ValueError("give --prompt-col, or build prompts with --template or --columns")
     dedupe = options.get("dedupe", False)
     table = read_table(args.input)

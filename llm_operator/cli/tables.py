@@ -71,6 +71,23 @@ def prompts_from_table(table: pa.Table, *, prompt_col: str) -> list:
         raise ValueError(
             f"prompt column {prompt_col!r} is not in the table; columns: {', '.join(columns)}"
         )
+    kind = table.schema.field(prompt_col).type
+    text = (
+        pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or pa.types.is_null(kind)
+        or pa.types.is_binary(kind)  # text that is not UTF-8: each row's error names it
+        or pa.types.is_large_binary(kind)
+    )
+    chat = (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and pa.types.is_struct(
+        kind.value_type
+    )  # JSONL chat messages: [{"role": ..., "content": ...}]
+    if not (text or chat):
+        raise ValueError(
+            f"prompt column {prompt_col!r} holds {kind} values, not text or chat messages: "
+            f"build prompts from it with --template '... {{{prompt_col}}} ...' or --columns "
+            f"{prompt_col}"
+        )
     return table.column(prompt_col).to_pylist()
 
 

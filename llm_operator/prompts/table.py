@@ -174,7 +174,8 @@ def _parse_line(line: str) -> Line:
             continue
         if name == "" or not name.isidentifier():
             raise ValueError(
-                f"template fields must be column names such as {{review}}, got {{{name}}}"
+                f"template fields must be column names such as {{review}}, got {{{name}}}; "
+                "write a literal brace as {{ or }}"
             )
         if spec or conversion:
             raise ValueError(
