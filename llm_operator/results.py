@@ -52,6 +52,7 @@ class RunStats:
 
     rows: int = 0
     error_rows: int = 0
+    invalid_rows: int = 0  # constrained rows cut before their output was valid (max_tokens)
     requests: int = 0
     prompt_tokens: int = 0
     unique_prompt_tokens: int = 0
@@ -73,6 +74,7 @@ class RunStats:
         return cls(
             rows=len(results),
             error_rows=sum(1 for r in results if r.finish_reason == "error"),
+            invalid_rows=sum(1 for r in results if r.finish_reason != "error" and r.error),
             requests=plan_stats.requests,
             prompt_tokens=plan_stats.prompt_tokens,
             unique_prompt_tokens=plan_stats.unique_tokens,

@@ -328,6 +328,26 @@ def test_constraint_flags_on_the_local_engine(constrained_local):
         assert row["out_error"] is None and row["out_logprob"] < 0
 
 
+def test_the_summary_counts_constrained_rows_cut_by_max_tokens(
+    tiny_llama_dir, reviews_csv, tmp_path, capsys
+):
+    """Rows whose JSON was cut by max_tokens keep their text and say why in out_error; the
+    summary must count them rather than report "0 errors"."""
+    schema = (
+        '{"type": "object", "properties": {"label": {"type": "string"}}, "required": ["label"]}'
+    )
+    out = tmp_path / "o.jsonl"
+    argv = ["run", str(reviews_csv), "--prompt-col", "text", "--output", str(out), "--model",
+            str(tiny_llama_dir), "--json-schema", schema, "--max-tokens", "2", "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    cut = [r for r in rows if r["out_finish_reason"] == "length" and r["out_error"]]
+    assert len(cut) == 4  # every row but the null one
+    summary = capsys.readouterr().out
+    assert "5 rows (1 errors, 4 constrained outputs cut before they were valid" in summary
+    assert "raise --max-tokens" in summary
+
+
 @pytest.mark.parametrize("engine", ["dask", "spark"])
 def test_constraint_flags_on_spark_and_dask_equal_local(
     engine, constrained_local, tiny_llama_dir, tmp_path, request

@@ -144,6 +144,7 @@ def test_json_cut_by_max_tokens_keeps_the_text_and_says_why(tiny_llama_dir) -> N
     assert result.finish_reason == "length"
     assert result.text.startswith("{") and result.completion_tokens == 3
     assert "not valid" in result.error and "JSON schema" in result.error
+    assert op.last_stats.invalid_rows == 1 and op.last_stats.error_rows == 0
 
 
 def test_constrained_and_free_rows_run_in_one_batch(tiny_llama_dir) -> None:

@@ -157,7 +157,11 @@ def command_run(args) -> int:
     )
     write_table(table, args.output)
     errors = sum(r.finish_reason == "error" for r in results)
-    line = f"{len(results)} rows ({errors} errors) on {args.engine} in {seconds:.1f} s: "
+    invalid = sum(r.finish_reason != "error" and r.error is not None for r in results)
+    counts = f"{errors} errors"
+    if invalid:  # constrained rows cut by max_tokens: text kept, out_error says why
+        counts += f", {invalid} constrained outputs cut before they were valid: raise --max-tokens"
+    line = f"{len(results)} rows ({counts}) on {args.engine} in {seconds:.1f} s: "
     line += f"{len(results) / seconds:.2f} rows/s"
     if stats is not None:
         line += (
