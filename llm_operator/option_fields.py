@@ -103,6 +103,7 @@ def documented(cls: type[T]) -> type[T]:
     """Class decorator (above ``@dataclass``): append the options' docs to the docstring,
     and make an unknown keyword's TypeError name the closest options."""
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    known = frozenset(names)  # checked on every construction (one per row's params)
     lines = [
         describe_line(field.name, field.default, spec.doc)
         for field in dataclasses.fields(cls)  # type: ignore[arg-type]
@@ -113,7 +114,7 @@ def documented(cls: type[T]) -> type[T]:
 
     @functools.wraps(generated)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        unknown = [name for name in kwargs if name not in names]
+        unknown = [name for name in kwargs if name not in known]
         if unknown:
             raise TypeError(f"{cls.__name__}: {unknown_options_message(unknown, names)}")
         generated(self, *args, **kwargs)
@@ -326,7 +327,7 @@ def split_commas(value: str) -> list[str]:
     return [part.strip() for part in value.split(",")]
 
 
-def read_json_file(path: str) -> str:
+def json_text_or_file(path: str) -> str:
     """The command line's JSON value: inline JSON (text starting with ``{``), else a file."""
     from pathlib import Path
 

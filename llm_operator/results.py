@@ -28,6 +28,17 @@ class GenerationResult(NamedTuple):
     choice_logprobs: dict[str, float] | None = None
     """With ``choices`` and ``logprobs=True``: each choice's log-probability after the prompt."""
 
+    @property
+    def is_error(self) -> bool:
+        """The row could not run."""
+        return self.finish_reason == "error"
+
+    @property
+    def is_invalid(self) -> bool:
+        """The row ran, but its constrained output was cut before it was valid (``error``
+        says why; the text is kept)."""
+        return self.finish_reason != "error" and self.error is not None
+
     @classmethod
     def failed(cls, message: str, prompt_tokens: int = 0) -> GenerationResult:
         return cls("", (), "error", prompt_tokens, 0, message)
@@ -73,8 +84,8 @@ class RunStats:
         """Counters of one call: the plan's statistics, the backend's counts, the rows."""
         return cls(
             rows=len(results),
-            error_rows=sum(1 for r in results if r.finish_reason == "error"),
-            invalid_rows=sum(1 for r in results if r.finish_reason != "error" and r.error),
+            error_rows=sum(r.is_error for r in results),
+            invalid_rows=sum(r.is_invalid for r in results),
             requests=plan_stats.requests,
             prompt_tokens=plan_stats.prompt_tokens,
             unique_prompt_tokens=plan_stats.unique_tokens,

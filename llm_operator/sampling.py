@@ -16,11 +16,11 @@ from llm_operator.option_fields import (
     documented,
     integer,
     json_schema_text,
+    json_text_or_file,
     non_negative,
     option,
     optional,
     probability_mass,
-    read_json_file,
     regex_pattern,
     split_commas,
     stop_strings,
@@ -81,7 +81,7 @@ class SamplingParams:
         None,
         doc="the output is JSON valid under this schema (a dict or JSON text; CLI: inline JSON or a file)",
         check=json_schema_text,
-        cli_type=read_json_file,
+        cli_type=json_text_or_file,
     )
     logprobs: bool = option(
         False,

@@ -156,8 +156,8 @@ def command_run(args) -> int:
         choice_logprobs=with_scores and options.get("choices") is not None,
     )
     write_table(table, args.output)
-    errors = sum(r.finish_reason == "error" for r in results)
-    invalid = sum(r.finish_reason != "error" and r.error is not None for r in results)
+    errors = sum(r.is_error for r in results)
+    invalid = sum(r.is_invalid for r in results)
     counts = f"{errors} errors"
     if invalid:  # constrained rows cut by max_tokens: text kept, out_error says why
         counts += f", {invalid} constrained outputs cut before they were valid: raise --max-tokens"
