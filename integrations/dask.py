@@ -23,18 +23,20 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 
-from llm_operator.integrations.json_values import ValueType
+from llm_operator.integrations.json_values import ANY, ValueType
 from llm_operator.integrations.partition import (
     RESULT_FIELDS,
     VALUE_FIELD,
     InferOptions,
     PrefixPartitioner,
+    _is_missing,
     build_partitioner,
     check_prompt_source,
     logger,
     make_options,
     result_records,
     run_partition,
+    show_worker_logs,
     typed_value,
 )
 from llm_operator.options import SCOPES, keyword_signature
@@ -77,6 +79,9 @@ def llm_infer(
     model: Any,
     engine_options: Mapping[str, Any] | None = None,
     value: bool = True,
+    choices_col: Hashable | None = None,
+    regex_col: Hashable | None = None,
+    json_schema_col: Hashable | None = None,
     **options: Any,
 ) -> dd.DataFrame:
     """``ddf`` with the generated columns added (lazy; nothing runs until compute).
@@ -111,12 +116,31 @@ def llm_infer(
         (``LLMOperator`` arguments; ``engine_options`` takes them as a mapping too).
     options: every engine, sampling and prompt option (``llm_operator.options``),
         constrained outputs included: ``choices``, ``regex``, ``json_schema``, ``logprobs``.
+    choices_col, regex_col, json_schema_col: a column holding each row's constraint, so
+        one call serves several tasks: ``choices_col`` a list, tuple or array of strings
+        per row (or text: a JSON list or comma-separated labels), ``regex_col`` a string,
+        ``json_schema_col`` a dict or JSON text. A missing value leaves that row
+        unconstrained; a value that is no valid constraint (an empty or duplicated label
+        list, a regex or schema the grammar engine cannot compile) makes that row an error
+        row (``{output}_error`` names the column and the problem). At most one of these
+        and ``choices``/``regex``/``json_schema`` per call. With ``json_schema_col`` (and
+        ``value``), ``{output}_value`` holds the parsed JSON of the rows given a schema
+        (untyped: as ``json.loads`` gives it), None on the others.
     """
     if not isinstance(output, str) or not output:
         raise TypeError(f"output must be a non-empty string, got {output!r}")
     schema = options.get("json_schema")  # as given: its property order
-    options = make_options(model=model, engine_options=engine_options, **options)
+    options = make_options(
+        model=model,
+        engine_options=engine_options,
+        choices_col=choices_col,
+        regex_col=regex_col,
+        json_schema_col=json_schema_col,
+        **options,
+    )
     value_type = typed_value(schema, value, untyped=True)
+    if value and options.constraint_col is not None and options.constraint_col[0] == "json_schema":
+        value_type = ANY  # each row's own schema: the parsed JSON as it is
     columns = result_columns(output, value_type is not None)
     check_prompt_source(col, options)
     if options.table is not None:
@@ -124,6 +148,11 @@ def llm_infer(
             raise TypeError(f"ddf must be a dask.dataframe.DataFrame, got {type(ddf).__name__}")
     else:
         _check_prompt_column(ddf, col)
+    if options.constraint_col is not None and options.constraint_col[1] not in ddf.columns:
+        kind, name = options.constraint_col
+        raise ValueError(
+            f"{kind}_col={name!r} is not a column of ddf; columns: {list(ddf.columns)}"
+        )
     existing = [name for name, _ in columns.values() if name in ddf.columns]
     if existing:
         raise ValueError(
@@ -170,8 +199,33 @@ def _infer_partition(
     label = "dask partition"
     if partition_info is not None:
         label = f"dask partition {partition_info['number']}"
-    results = run_partition(frame[col].tolist(), options, label=label)
-    return _with_results(frame, result_records(results, value_type), output, value_type is not None)
+    if _on_distributed_worker():
+        show_worker_logs()  # one line per partition in the worker's log, as Spark's executors
+    from llm_operator.integrations.devices import dask_worker_device
+
+    device = dask_worker_device(options.engine.device)  # None: the option's device
+    extra: dict[str, Any] = {}
+    parsed = None
+    constraint_col = getattr(options, "constraint_col", None)  # (stand-ins may lack it)
+    if constraint_col is not None:  # each row's constraint, from its column
+        extra["constraints"] = frame[constraint_col[1]].tolist()
+        if constraint_col[0] == "json_schema":  # parse only rows given a schema
+            parsed = [not _is_missing(c) for c in extra["constraints"]]
+    results = run_partition(frame[col].tolist(), options, device=device, label=label, **extra)
+    records = result_records(results, value_type, parsed)
+    return _with_results(frame, records, output, value_type is not None)
+
+
+def _on_distributed_worker() -> bool:
+    try:
+        from distributed import get_worker
+    except ImportError:
+        return False
+    try:
+        get_worker()
+    except ValueError:  # not inside a distributed worker's task
+        return False
+    return True
 
 
 def _with_results(

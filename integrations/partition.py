@@ -16,11 +16,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from llm_operator import options as option_table
@@ -30,6 +31,7 @@ from llm_operator.prompts.dedupe import dedupe
 from llm_operator.prompts.encode import as_chat
 from llm_operator.prompts.options import PromptOptions
 from llm_operator.prompts.table import TablePrompt, table_options
+from llm_operator.results import GenerationResult
 from llm_operator.sampling import SamplingParams
 
 logger = logging.getLogger("llm_operator.integrations")
@@ -57,27 +59,40 @@ class InferOptions:
     model: str
     engine: EngineConfig
     sampling: SamplingParams
-    chat: bool = False
+    chat: bool | str = "auto"
     system: str | None = None
     table: TablePrompt | None = None  # template= or columns= (and instruction=)
     reorder_fields: bool = False
     dedupe: bool = False
+    # ("choices" | "regex" | "json_schema", column name): each row's constraint comes from
+    # that column (choices_col= ...); the values travel with the rows, not in the options
+    constraint_col: tuple[str, str] | None = None
 
     def engine_key(self, device: str | None = None) -> tuple:
         return (self.model, self.engine, device)
 
-    def prompts(self, values: Sequence[Any]) -> list[Any]:
-        """Column values to prompts (``chat``/``system``: each string as a user message)."""
-        return as_chat(values, chat=self.chat, system=self.system)
+    def prompts(self, values: Sequence[Any], chat_template: bool) -> list[Any]:
+        """Column values to prompts (``chat``/``system``: each string as a user message;
+        ``chat="auto"``: when the model has a chat template, ``chat_template``)."""
+        return as_chat(values, chat=self.chat, system=self.system, chat_template=chat_template)
 
 
 def make_options(
-    *, model: Any, engine_options: Mapping[str, Any] | None = None, **options: Any
+    *,
+    model: Any,
+    engine_options: Mapping[str, Any] | None = None,
+    choices_col: str | None = None,
+    regex_col: str | None = None,
+    json_schema_col: str | None = None,
+    **options: Any,
 ) -> InferOptions:
     """Validated options (on the driver, before any model loads).
 
     options: any engine, sampling or prompt option of ``llm_operator.options``.
     engine_options: engine options as one mapping (the older spelling; merged).
+    choices_col, regex_col, json_schema_col: a column holding each row's constraint
+        (``row_sampling``); at most one of them and of ``choices``, ``regex`` and
+        ``json_schema`` (ValueError).
     """
     if not isinstance(model, (str, os.PathLike)) or not str(model):
         raise TypeError(f"model must be an alias or a path, got {model!r}")
@@ -95,16 +110,119 @@ def make_options(
     scoped = option_table.split(options)
     prompt = PromptOptions(**scoped["prompt"])
     table = table_options({field.name: getattr(prompt, field.name) for field in fields(prompt)})
-    return InferOptions(
+    sampling = SamplingParams(**scoped["sampling"])
+    given_cols = {"choices": choices_col, "regex": regex_col, "json_schema": json_schema_col}
+    checked = InferOptions(
         model=os.fspath(model),
         engine=EngineConfig(**scoped["engine"]),
-        sampling=SamplingParams(**scoped["sampling"]),
-        chat=prompt.chat or prompt.system is not None,
+        sampling=sampling,
+        chat=True if prompt.system is not None else prompt.chat,
         system=prompt.system,
         table=table,
         reorder_fields=prompt.reorder_fields,
         dedupe=prompt.dedupe,
+        constraint_col=constraint_column(sampling, given_cols),
     )
+    # A Hub id ("org/name", not a path here) must be in the Hub cache or on the Hub before
+    # any job starts (registry.check_model_available; no weights are downloaded). Aliases
+    # and paths are checked where the model loads (an alias's package or a model folder may
+    # exist only on the workers), and so the driver imports no torch for them.
+    if isinstance(model, str) and model.strip().count("/") == 1:
+        if not os.path.exists(os.path.expanduser(model.strip())):
+            from llm_operator.models.registry import check_model_available
+
+            check_model_available(model, checked.engine.revision)
+    return checked
+
+
+def constraint_column(
+    sampling: SamplingParams, columns: Mapping[str, Any]
+) -> tuple[str, str] | None:
+    """(constraint, column) of the one ``{constraint}_col`` given (``columns``: constraint
+    -> column name or None), or None. TypeError for a column that is not a name; ValueError
+    for two constraints at once, per call or per row."""
+    given = [(kind, column) for kind, column in columns.items() if column is not None]
+    for kind, column in given:
+        if not isinstance(column, str) or not column:
+            raise TypeError(f"{kind}_col must be a column name (a string), got {column!r}")
+    named = [f"{kind}_col" for kind, _ in given]
+    if sampling.constraint is not None:
+        named.insert(0, sampling.constraint[0])
+    if len(named) > 1:
+        raise ValueError(
+            "give at most one of choices, regex, json_schema, choices_col, regex_col and "
+            f"json_schema_col; got {' and '.join(named)}"
+        )
+    return given[0] if given else None
+
+
+def row_sampling(options: InferOptions, values: Sequence[Any]) -> list[SamplingParams | str]:
+    """Each row's SamplingParams: the call's, with the row's constraint from
+    ``options.constraint_col`` (a missing value: the call's as they are). A value that is
+    no valid constraint gives that row a message naming the column and the problem instead.
+    Rows with equal values share one SamplingParams (checked once).
+
+    choices: a list, tuple or array of distinct strings, or text: a JSON list
+    (``["yes", "no"]``) or comma-separated labels (``yes,no``); regex: a string;
+    json_schema: JSON text or a dict."""
+    assert options.constraint_col is not None, "no constraint column in these options"
+    kind, column = options.constraint_col
+    base = options.sampling
+    made: dict[Any, SamplingParams | str] = {}
+    rows: list[SamplingParams | str] = []
+    for value in values:
+        if _is_missing(value):
+            rows.append(base)
+            continue
+        try:
+            given = _constraint_value(kind, value)
+            key = given if kind != "json_schema" or isinstance(given, str) else json.dumps(given)
+            hash(key)
+        except (TypeError, ValueError) as error:
+            rows.append(f"{kind}_col {column!r}: {error}")
+            continue
+        if key not in made:
+            try:
+                made[key] = replace(base, **{kind: given})
+            except (TypeError, ValueError) as error:  # SamplingParams' own checks
+                made[key] = f"{kind}_col {column!r}: {error}"
+        rows.append(made[key])
+    return rows
+
+
+def _constraint_value(kind: str, value: Any) -> Any:
+    """One cell of a constraint column as the SamplingParams field takes it."""
+    if kind == "choices":
+        if isinstance(value, str):
+            return parse_choices_text(value)
+        if isinstance(value, Mapping) or not hasattr(value, "__iter__"):
+            raise TypeError(f"choices must be a list of strings, got {value!r:.80}")
+        return tuple(value)
+    if kind == "regex":
+        if not isinstance(value, str):
+            raise TypeError(f"regex must be a string, got {value!r:.80}")
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        value = value.decode("utf-8")
+    if not isinstance(value, (str, Mapping)):
+        raise TypeError(f"json_schema must be JSON text or a dict, got {value!r:.80}")
+    return value
+
+
+def parse_choices_text(text: str) -> tuple[str, ...]:
+    """Labels written in one text cell: a JSON list (``["yes", "no"]``), else
+    comma-separated labels (``yes, no``; spaces around each dropped)."""
+    if text.lstrip().startswith("["):
+        try:
+            labels = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"choices text starting with '[' is not a JSON list: {error}"
+            ) from None
+        if not isinstance(labels, list):
+            raise ValueError(f"choices text is not a JSON list: {text!r:.80}")
+        return tuple(labels)
+    return tuple(part.strip() for part in text.split(","))
 
 
 def check_prompt_source(col: Any, options: InferOptions) -> None:
@@ -134,20 +252,58 @@ _constructions: dict[tuple, int] = {}  # engine key -> operators built for it in
 
 
 def get_operator(options: InferOptions, device: str | None = None):
-    """The worker's LLMOperator for these options, built on first use and then reused."""
+    """The worker's LLMOperator for these options, built on first use and then reused.
+
+    One per options and device: asked for another device (a reused worker given another
+    GPU), the process first releases its engine for the same options on the old device,
+    unless that one is running a partition in another thread. ``device`` may carry a
+    share of its GPU (``integrations.devices.Device``): the engine's ``gpu_share`` unless
+    the options set one."""
     key = options.engine_key(device)
     with _engines_lock:
         operator = _engines.get(key)
         if operator is None:
             from llm_operator import LLMOperator
 
+            _release_other_devices(key)
             engine = {f.name: getattr(options.engine, f.name) for f in fields(options.engine)}
             if device is not None:
-                engine["device"] = device
+                engine["device"] = str(device)
+                share = getattr(device, "gpu_share", None)
+                if share is not None and engine.get("gpu_share") is None:
+                    engine["gpu_share"] = share
             operator = LLMOperator(options.model, **engine)
             _engines[key] = operator
             _constructions[key] = _constructions.get(key, 0) + 1
         return operator
+
+
+def _release_other_devices(key: tuple) -> None:
+    """Drop this process's engines for the same model and options on other devices (not
+    one running a partition now), close their backends and free the CUDA cache. Called
+    with ``_engines_lock`` held."""
+    stale = [other for other in _engines if other[:-1] == key[:-1] and other[-1] != key[-1]]
+    released = False
+    for other in stale:
+        lock = _partition_locks.get(id(_engines[other]))
+        if lock is not None and lock.locked():
+            continue  # busy in another thread (in-process workers on several GPUs): keep it
+        operator = _engines.pop(other)
+        _partition_locks.pop(id(operator), None)
+        close = getattr(getattr(operator, "_backend", None), "close", None)
+        if callable(close):
+            close()  # vLLM: shuts its engine down
+        logger.info("released the engine on %s for the one on %s", other[-1], key[-1])
+        del operator
+        released = True
+    if released:
+        import gc
+
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def engine_constructions(key: tuple | None = None) -> int:
@@ -164,28 +320,58 @@ def run_partition(
     *,
     device: str | None = None,
     label: str = "partition",
+    constraints: Sequence[Any] | None = None,
 ):
-    """Generate for one partition's prompts (one plan over all of them); results in order."""
+    """Generate for one partition's prompts (one plan over all of them); results in order.
+
+    constraints: with ``options.constraint_col``, each row's value of that column
+    (``row_sampling``); a row whose value is no valid constraint is an error row."""
     started = time.perf_counter()
     values = [None if _is_missing(v) else v for v in values]
     if not values:
         return []
+    sampling: list[SamplingParams | str] | None = None
+    if options.constraint_col is not None:
+        if constraints is None or len(constraints) != len(values):
+            raise ValueError(
+                f"{options.constraint_col[0]}_col: give one constraint value per row "
+                f"({len(values)} rows, {None if constraints is None else len(constraints)} values)"
+            )
+        sampling = row_sampling(options, list(constraints))
     operator = get_operator(options, device)
-    distinct, positions = dedupe(values) if options.dedupe else (values, None)
+    distinct, positions = values, None
+    if options.dedupe:
+        distinct, positions = dedupe(values)
+        if sampling is not None:  # a distinct row is a distinct (prompt, constraint)
+            firsts, positions = _distinct_rows(positions, sampling)
+            distinct, sampling = [values[i] for i in firsts], [sampling[i] for i in firsts]
     lock = _partition_lock(operator)
     with lock:  # one generate at a time per engine (threaded workers share it)
-        results = operator.generate(options.prompts(distinct), options.sampling)
+        prompts = options.prompts(distinct, operator.has_chat_template)
+        if sampling is None:
+            results = operator.generate(prompts, options.sampling)
+        else:  # a row with a bad constraint runs as a missing prompt, then gets its message
+            bad = [i for i, s in enumerate(sampling) if isinstance(s, str)]
+            for i in bad:
+                prompts[i] = None
+            rows = [options.sampling if isinstance(s, str) else s for s in sampling]
+            results = list(operator.generate(prompts, rows))
+            for i in bad:
+                results[i] = GenerationResult.failed(sampling[i])
         stats = operator.last_stats
     if positions is not None:
         results = [results[i] for i in positions]
     _log_stats(label, len(values), len(distinct), stats, time.perf_counter() - started)
     logger.info(
-        "%s: %d rows%s (%d errors), %d prompt tokens, %d prefilled, %d output tokens, %.2f s, "
-        "saving ratio %.1f%%",
+        "%s: %d rows%s (%d errors%s), %d prompt tokens, %d prefilled, %d output tokens, "
+        "%.2f s, saving ratio %.1f%%",
         label,
         len(values),
         f", {len(distinct)} distinct prompts" if positions is not None else "",
         stats.error_rows,
+        f", {stats.invalid_rows} constrained outputs cut by max_tokens before they were valid"
+        if stats.invalid_rows
+        else "",
         stats.prompt_tokens,
         stats.prefill_tokens_computed,
         stats.output_tokens,
@@ -193,6 +379,41 @@ def run_partition(
         100 * stats.saving_ratio,
     )
     return results
+
+
+def _distinct_rows(
+    prompt_positions: Sequence[int], sampling: Sequence[Any]
+) -> tuple[list[int], list[int]]:
+    """(the first row of each distinct (prompt, constraint), each row's index into those):
+    ``prompt_positions`` from ``dedupe``; rows of equal constraint values share one
+    ``sampling`` object (``row_sampling``)."""
+    index: dict[tuple[int, int], int] = {}
+    firsts: list[int] = []
+    positions: list[int] = []
+    for row, (prompt, params) in enumerate(zip(prompt_positions, sampling)):
+        key = (prompt, id(params))
+        if key not in index:
+            index[key] = len(firsts)
+            firsts.append(row)
+        positions.append(index[key])
+    return firsts, positions
+
+
+def show_worker_logs() -> None:
+    """On a worker process (a Spark executor's Python worker, a Dask worker): send the
+    per-partition INFO lines to its stderr (the executor or worker log), unless the
+    process's logging sends them somewhere already; a level set on the logger is kept
+    (other handlers, such as Dask's forwarding to the client, then see the lines too)."""
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    streams = [h for h in logger.handlers if isinstance(h, logging.StreamHandler)]
+    if streams or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)s %(name)s [pid %(process)d]: %(message)s")
+    )
+    logger.addHandler(handler)
 
 
 STATS_LOG = "LLM_OPERATOR_STATS_LOG"
@@ -213,6 +434,7 @@ def _log_stats(label: str, rows: int, distinct: int, stats: Any, seconds: float)
             "prefill_tokens": stats.prefill_tokens_computed,
             "output_tokens": stats.output_tokens,
             "error_rows": stats.error_rows,
+            "invalid_rows": stats.invalid_rows,
             "seconds": round(seconds, 3),
             "pid": os.getpid(),
         }
@@ -238,14 +460,19 @@ def _is_missing(value: Any) -> bool:
     return type(value).__name__ in ("NAType", "NaTType")
 
 
-def result_records(results, value_type: ValueType | None = None) -> list[dict[str, Any]]:
+def result_records(
+    results, value_type: ValueType | None = None, parsed: Sequence[bool] | None = None
+) -> list[dict[str, Any]]:
     """One dict per result: the RESULT_FIELDS, and with ``value_type`` the row's JSON
     text parsed as that type under VALUE_FIELD (None where it does not parse or fit; then
-    ``error`` says why, unless the engine's own message is there already)."""
+    ``error`` says why, unless the engine's own message is there already). ``parsed``: per
+    row, whether its text is JSON to parse (json_schema_col: the rows given a schema)."""
     records = [{name: getattr(r, name) for name, _ in RESULT_FIELDS} for r in results]
     if value_type is not None:
-        for record in records:
+        for row, record in enumerate(records):
             record[VALUE_FIELD] = None
+            if parsed is not None and not parsed[row]:
+                continue
             if record["finish_reason"] == "error" or record["error"] is not None:
                 continue  # no text, or the engine said why it is not valid
             record[VALUE_FIELD], why = parse_value(record["text"], value_type)

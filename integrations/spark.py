@@ -11,13 +11,13 @@ completion_tokens, error, logprob, choice_logprobs`` (and with ``json_schema`` a
 partition's Arrow batches and runs one plan over all its rows (global prefix sharing),
 then yields outputs aligned with the input batches. The engine is built once per Python
 worker process and reused across tasks and jobs (Spark reuses Python workers by default):
-the UDF closure captures only the small, validated ``InferOptions``. Classic Spark only
-(``co_locate`` uses ``DataFrame.rdd``).
+the UDF closure captures only the small, validated ``InferOptions``. Classic Spark and
+Spark Connect alike (``SparkSession.builder.remote("sc://...")``): every function here uses
+the DataFrame API only, ``co_locate`` included (no ``DataFrame.rdd``).
 """
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -42,6 +42,7 @@ from llm_operator.integrations.partition import (
     make_options,
     result_records,
     run_partition,
+    show_worker_logs,
     typed_value,
 )
 from llm_operator.options import SCOPES, keyword_signature
@@ -54,6 +55,7 @@ _SPARK_TYPES = {
     dict: T.MapType(T.StringType(), T.DoubleType(), valueContainsNull=True),
 }
 _PROMPT = "__llm_operator_prompt"  # a temporary prompt column (rendered or co-location key)
+_PARTITION = "__llm_operator_partition"  # co_locate's temporary partition key
 RESULT_TYPE = T.StructType(
     [T.StructField(name, _SPARK_TYPES[kind], nullable=True) for name, kind in RESULT_FIELDS]
 )
@@ -97,6 +99,9 @@ def llm_infer(
     model: Any,
     engine_options: Mapping[str, Any] | None = None,
     value: bool = True,
+    choices_col: str | None = None,
+    regex_col: str | None = None,
+    json_schema_col: str | None = None,
     **options: Any,
 ) -> Column:
     """A struct column ``text, finish_reason, prompt_tokens, completion_tokens, error,
@@ -115,6 +120,16 @@ def llm_infer(
         ``seed``, ``chat``, ``system``; ``engine_options`` takes engine options as a mapping.
         Constrained outputs: ``choices`` (a list of strings), ``regex``, ``json_schema``
         (a dict or JSON text), ``logprobs``.
+    choices_col, regex_col, json_schema_col: the name of a column holding each row's
+        constraint, so one job serves several tasks: ``choices_col`` an
+        ``array<string>`` (or string: a JSON list or comma-separated labels),
+        ``regex_col`` a string, ``json_schema_col`` JSON text. A null leaves that row
+        unconstrained; a value that is no valid constraint (an empty or duplicated label
+        list, a regex or schema the grammar engine cannot compile) makes that row an
+        error row (``error`` names the column and the problem). At most one of these and
+        ``choices``/``regex``/``json_schema`` per call. With ``json_schema_col`` the struct
+        has no ``value`` field (each row's type may differ): parse ``text`` with
+        ``from_json``.
     value: with ``json_schema``, parse each row's JSON on the worker into the field
         ``value``, typed from the schema (``out.value.name``; objects are structs, every
         field nullable, integer is bigint, number is double; see
@@ -134,18 +149,38 @@ def llm_infer(
     unless the ``device`` option names one.
     """
     schema = options.get("json_schema")  # as given: its property order
-    options = make_options(model=model, engine_options=engine_options, **options)
+    options = make_options(
+        model=model,
+        engine_options=engine_options,
+        choices_col=choices_col,
+        regex_col=regex_col,
+        json_schema_col=json_schema_col,
+        **options,
+    )
     value_type = typed_value(schema, value)
     return_type = result_type(value_type)
     column = _prompt_source(col, options)
+    prompt_name = col if isinstance(col, str) else None  # named in a worker's type error
+    check_worker_python()
     if options.reorder_fields:
         raise ValueError(
             "reorder_fields needs the whole DataFrame's statistics: use "
             "llm_infer_df(df, template=..., reorder_fields=True, ...)"
         )
 
+    if options.constraint_col is not None:  # two columns: the prompt, the row's constraint
+
+        def infer_constrained(
+            batches: Iterator[tuple[pd.Series, pd.Series]],
+        ) -> Iterator[pd.DataFrame]:
+            return infer_batches(batches, options, value_type, prompt_name)
+
+        infer_constrained.__name__ = "llm_infer"
+        udf = F.pandas_udf(infer_constrained, returnType=return_type)
+        return udf(column, F.col(options.constraint_col[1]))
+
     def infer(batches: Iterator[pd.Series]) -> Iterator[pd.DataFrame]:
-        return infer_batches(batches, options, value_type)  # the closure holds only these
+        return infer_batches(batches, options, value_type, prompt_name)  # only these
 
     infer.__name__ = "llm_infer"
     return F.pandas_udf(infer, returnType=return_type)(column)
@@ -183,6 +218,8 @@ def llm_infer_df(
         model=options.get("model"),
         **{k: v for k, v in options.items() if k not in ("model", "value")},
     )
+    if checked.constraint_col is not None:
+        check_constraint_type(df, *checked.constraint_col)
     if checked.table is None:
         column = llm_infer(col, **options)  # validates the options first
         prompt_type = df.select(_as_column(col, "col")).schema.fields[0].dataType
@@ -209,6 +246,49 @@ def llm_infer_df(
     return frame.withColumn(output, llm_infer(_PROMPT, **rest)).drop(_PROMPT)
 
 
+_checked_pythons: dict[str, str | None] = {}
+
+
+def check_worker_python() -> None:
+    """On a classic local-mode session, check that the Python the workers run
+    (``PYSPARK_PYTHON``, default ``python3`` from the PATH) imports llm_operator; raise
+    ValueError saying to set ``PYSPARK_PYTHON`` when it does not. (On a cluster or Spark
+    Connect the workers' Python is the cluster's, out of the driver's sight.)"""
+    from pyspark import SparkContext
+
+    context = SparkContext._active_spark_context
+    if context is None or not context.master.startswith("local"):
+        return
+    executable = context.pythonExec
+    if executable == sys.executable:
+        return
+    if executable not in _checked_pythons:
+        _checked_pythons[executable] = _import_problem(executable)
+    problem = _checked_pythons[executable]
+    if problem is not None:
+        raise ValueError(
+            f"Spark's Python workers run {executable!r}, which cannot import llm_operator "
+            f"({problem}); set PYSPARK_PYTHON to this interpreter before the SparkSession "
+            f"starts: os.environ['PYSPARK_PYTHON'] = sys.executable (here {sys.executable})"
+        )
+
+
+def _import_problem(executable: str) -> str | None:
+    """Why ``executable`` cannot import llm_operator, or None when it can."""
+    import subprocess
+
+    try:
+        done = subprocess.run(
+            [executable, "-c", "import llm_operator"], capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"{type(error).__name__}: {error}"
+    if done.returncode == 0:
+        return None
+    lines = (done.stderr or done.stdout).strip().splitlines()
+    return lines[-1] if lines else f"exit status {done.returncode}"
+
+
 def check_prompt_type(data_type: T.DataType) -> None:
     """Raise TypeError unless ``data_type`` holds prompts: strings or chat message lists."""
     if isinstance(data_type, T.StringType):
@@ -227,26 +307,58 @@ def check_prompt_type(data_type: T.DataType) -> None:
     )
 
 
+def check_constraint_type(df: DataFrame, kind: str, column: str) -> None:
+    """ValueError unless ``df`` has ``column``; TypeError unless it holds ``kind``'s values:
+    choices an array of strings or a string, regex and json_schema a string."""
+    if column not in df.columns:
+        raise ValueError(f"{kind}_col={column!r} is not a column of df; columns: {df.columns}")
+    data_type = df.schema[column].dataType
+    if isinstance(data_type, T.StringType):
+        return
+    if kind == "choices" and isinstance(data_type, T.ArrayType):
+        if isinstance(data_type.elementType, T.StringType):
+            return
+    wanted = "array<string> or string" if kind == "choices" else "string"
+    raise TypeError(
+        f"{kind}_col={column!r} must be a column of {wanted}, got {data_type.simpleString()}"
+    )
+
+
 # -- inside the Python worker -------------------------------------------------------
 def infer_batches(
-    batches: Iterator[pd.Series], options: InferOptions, value_type: ValueType | None = None
+    batches: Iterator[pd.Series] | Iterator[tuple[pd.Series, pd.Series]],
+    options: InferOptions,
+    value_type: ValueType | None = None,
+    prompt_name: str | None = None,
 ) -> Iterator[pd.DataFrame]:
     """The UDF body: gather every batch of the partition, run them as one, yield per batch.
 
     Output frames have the input batches' sizes, in their order (Spark zips them back
     onto the input rows); with ``value_type`` they end with the parsed ``value`` column.
+    With ``options.constraint_col`` each batch is a pair: the prompts and the rows'
+    constraints.
     """
     sizes: list[int] = []
     values: list[Any] = []
+    constraints: list[Any] | None = None if options.constraint_col is None else []
     for batch in batches:
+        if constraints is not None:
+            batch, constraint = batch
+            constraints.extend(constraint_values(constraint))
         sizes.append(len(batch))
-        values.extend(prompt_values(batch))
+        try:
+            values.extend(prompt_values(batch))
+        except TypeError as error:  # name the column where the user gave one
+            if prompt_name is None:
+                raise
+            raise TypeError(f"prompt column {prompt_name!r}: {error}") from None
     context = TaskContext.get()
     if context is not None:
-        _show_worker_logs()
+        show_worker_logs()
     label = f"spark partition {context.partitionId()}" if context is not None else "spark batch"
     device = task_device(context, options)
-    results = run_partition(values, options, device=device, label=label) if values else []
+    extra = {} if constraints is None else {"constraints": constraints}
+    results = run_partition(values, options, device=device, label=label, **extra) if values else []
     records = result_records(results, value_type)
     assert len(records) == len(values), f"{label}: {len(records)} results, {len(values)} rows"
     start = 0
@@ -282,18 +394,25 @@ def prompt_values(batch: pd.Series) -> list[Any]:
     return values
 
 
-def task_device(context: Any, options: InferOptions) -> str | None:
-    """``cuda:<first address>`` for a task given a "gpu" resource; else CPU.
+def constraint_values(batch: pd.Series) -> list[Any]:
+    """One batch's constraint cells: strings, arrays of labels (numpy arrays) or None.
+    (Each cell is checked per row in ``run_partition``: a bad one is that row's error.)"""
+    if isinstance(batch, pd.DataFrame):
+        raise TypeError(
+            "a constraint column must hold arrays of strings or strings, got a struct "
+            f"column with fields {list(batch.columns)}"
+        )
+    return batch.tolist()
 
-    An explicit ``device`` option is kept (None lets it through).
-    """
-    if context is not None:
-        gpus = context.resources().get("gpu")
-        if gpus is not None and gpus.addresses:
-            return f"cuda:{gpus.addresses[0]}"
-    if options.engine.device != "auto":
-        return None
-    return "cpu"
+
+def task_device(context: Any, options: InferOptions) -> str | None:
+    """The task's device (``integrations.devices``): None (the engine keeps it) for an
+    explicit ``device`` option; for a task given a "gpu" resource, its first address as
+    this process numbers it (through ``CUDA_VISIBLE_DEVICES``), carrying the task's share
+    of the GPU (``spark.task.resource.gpu.amount``); else "cpu"."""
+    from llm_operator.integrations.devices import spark_task_device
+
+    return spark_task_device(context, options.engine.device)
 
 
 def _frame(records: list[dict[str, Any]], with_value: bool = False) -> pd.DataFrame:
@@ -305,20 +424,6 @@ def _frame(records: list[dict[str, Any]], with_value: bool = False) -> pd.DataFr
     if with_value:
         columns[VALUE_FIELD] = pd.Series([r[VALUE_FIELD] for r in records], dtype=object)
     return pd.DataFrame(columns)
-
-
-def _show_worker_logs() -> None:
-    """Send the per-partition INFO lines to the worker's stderr (the executor log), once,
-    unless the worker's logging is configured already."""
-    if logger.handlers or logging.getLogger().handlers:
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        logging.Formatter("%(asctime)s %(levelname)s %(name)s [pid %(process)d]: %(message)s")
-    )
-    logger.addHandler(handler)
-    if logger.level == logging.NOTSET:
-        logger.setLevel(logging.INFO)
 
 
 # -- co-location --------------------------------------------------------------------
@@ -340,11 +445,17 @@ def co_locate(
     but a plain ``repartitionByRange`` cuts a group wherever a range boundary falls.
     Instead a sample of up to ``sample_size`` prompts (deterministic for ``seed``) is
     cut where it branches (``build_partitioner``), every row goes to exactly the
-    partition its prefix is assigned to (an identity partitioner, not a hash), and
-    rows are sorted within partitions. Costs a count, a sample and one shuffle; skip it
-    when rows are already grouped or prompts share little.
+    partition its prefix is assigned to, and rows are sorted within partitions. The
+    placement is DataFrame API only (classic Spark and Spark Connect alike): a pandas UDF
+    gives each row a bigint key chosen so that Spark's hash partitioning sends it to its
+    assigned partition (``partition_keys``), then ``repartition(n, key)`` (a shuffle of
+    an explicit partition count, which adaptive execution leaves as it is). Costs a
+    count, a sample and one shuffle; skip it when rows are already grouped or prompts
+    share little.
 
-    num_partitions: default ``df.rdd.getNumPartitions()``.
+    num_partitions: default the partitions of ``df``: ``df.rdd.getNumPartitions()`` on
+        classic Spark; on Spark Connect (no RDDs) one more than the highest partition id
+        holding a row, found in the job that counts the rows.
     """
     if not isinstance(df, DataFrame):
         raise TypeError(f"df must be a pyspark DataFrame, got {type(df).__name__}")
@@ -362,20 +473,104 @@ def co_locate(
     data_type = frame.schema[key].dataType
     if not isinstance(data_type, T.StringType):
         raise TypeError(f"col must be a string column, got type {data_type.simpleString()}")
-    partitions = num_partitions or max(1, frame.rdd.getNumPartitions())
-    sample = _sample_prompts(frame, key, sample_size, seed)
+    partitions = num_partitions or _partition_count(frame)
+    total = None
+    if partitions is None:  # Spark Connect: the partitions holding rows, with the row count
+        total, partitions = _count_rows_and_partitions(frame, key)
+    sample = _sample_prompts(frame, key, sample_size, seed, total)
     partitioner = build_partitioner(sample, partitions, min_prefix_chars=min_prefix_chars)
-    rows = frame.rdd.map(_keyed_by(partitioner, frame.columns.index(key)))
-    placed = rows.partitionBy(partitions, _identity).values()
-    result = frame.sparkSession.createDataFrame(placed, frame.schema, verifySchema=False)
-    result = result.sortWithinPartitions(key)
+    # each row to exactly its partitioner's partition, as a hash partitioning by a key that
+    # hashes to it: the DataFrame API only, so classic Spark and Spark Connect alike
+    keys = partition_keys(partitions)
+    placed = frame.withColumn(_PARTITION, _placement(partitioner, keys)(F.col(key)))
+    placed = placed.repartition(partitions, _PARTITION).drop(_PARTITION)
+    result = placed.sortWithinPartitions(key)
     return result if key is col else result.drop(key)
 
 
-def _sample_prompts(frame: DataFrame, key: str, sample_size: int, seed: int) -> list[str]:
-    """Up to ``sample_size`` prompts, the same ones for the same seed and input."""
+def _partition_count(frame: DataFrame) -> int | None:
+    """The frame's partitions on classic Spark; None on Spark Connect (no RDDs there)."""
+    try:
+        rdd = frame.rdd
+    except NotImplementedError:  # PySparkNotImplementedError: [NOT_IMPLEMENTED] rdd
+        return None
+    return max(1, rdd.getNumPartitions())
+
+
+def _count_rows_and_partitions(frame: DataFrame, key: str) -> tuple[int, int]:
+    """The non-null prompts, and one more than the highest partition id holding a row (at
+    least 1): one job. (Trailing partitions with no row are not seen: a count of them
+    would need the RDD that Spark Connect does not expose.)"""
+    ids = frame.select(F.spark_partition_id().alias("p"), F.col(key).alias("k"))
+    row = ids.agg(F.count("k").alias("rows"), F.max("p").alias("last")).collect()[0]
+    last = row["last"]
+    return int(row["rows"]), 1 if last is None else int(last) + 1
+
+
+_MASK32 = 0xFFFFFFFF
+HASH_SEED = 42
+"""The seed of Spark's hash partitioning (``HashPartitioning``: ``pmod(murmur3(key, 42),
+n)``), the same ``F.hash`` uses."""
+
+
+def spark_hash_long(value: int, seed: int = HASH_SEED) -> int:
+    """Spark's ``hash`` of a bigint (``Murmur3_x86_32.hashLong``), as a signed 32-bit int."""
+
+    def mix_k1(k: int) -> int:
+        k = (k * 0xCC9E2D51) & _MASK32
+        k = ((k << 15) | (k >> 17)) & _MASK32
+        return (k * 0x1B873593) & _MASK32
+
+    def mix_h1(h: int, k: int) -> int:
+        h ^= k
+        h = ((h << 13) | (h >> 19)) & _MASK32
+        return (h * 5 + 0xE6546B64) & _MASK32
+
+    h = mix_h1(seed & _MASK32, mix_k1(value & _MASK32))
+    h = mix_h1(h, mix_k1((value >> 32) & _MASK32))
+    h ^= 8  # fmix(h, length 8)
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & _MASK32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & _MASK32
+    h ^= h >> 16
+    return h - (1 << 32) if h & 0x80000000 else h
+
+
+def partition_keys(num_partitions: int) -> list[int]:
+    """For each partition p, the smallest bigint ``v >= 0`` that Spark's hash partitioning
+    into ``num_partitions`` places in p (``pmod(hash(v), n) == p``): repartitioning by a
+    column holding ``keys[p]`` puts the row in partition p. (About n ln n hashes.)"""
+    keys: list[int | None] = [None] * num_partitions
+    missing = num_partitions
+    value = 0
+    while missing:
+        partition = spark_hash_long(value) % num_partitions  # Python's % is pmod here
+        if keys[partition] is None:
+            keys[partition] = value
+            missing -= 1
+        value += 1
+    return keys  # type: ignore[return-value]
+
+
+def _placement(partitioner: PrefixPartitioner, keys: list[int]):
+    """A pandas UDF: prompt -> the key of its partitioner's partition (bigint)."""
+
+    def place(prompts: pd.Series) -> pd.Series:
+        return pd.Series([keys[partitioner(p)] for p in prompts], dtype=np.int64)
+
+    place.__name__ = "co_locate_partition"
+    return F.pandas_udf(place, returnType=T.LongType())
+
+
+def _sample_prompts(
+    frame: DataFrame, key: str, sample_size: int, seed: int, total: int | None = None
+) -> list[str]:
+    """Up to ``sample_size`` prompts, the same ones for the same seed and input
+    (``total``: the non-null prompts, when counted already)."""
     column = frame.select(key).where(F.col(key).isNotNull())
-    total = column.count()
+    if total is None:
+        total = column.count()
     if total > sample_size:
         fraction = min(1.0, 1.2 * sample_size / total)
         column = column.sample(withReplacement=False, fraction=fraction, seed=seed)
@@ -384,17 +579,6 @@ def _sample_prompts(frame: DataFrame, key: str, sample_size: int, seed: int) -> 
         step = len(values) / sample_size
         values = [values[int(i * step)] for i in range(sample_size)]
     return values
-
-
-def _keyed_by(partitioner: PrefixPartitioner, index: int):
-    def keyed(row):
-        return partitioner(row[index]), row
-
-    return keyed
-
-
-def _identity(partition: int) -> int:
-    return partition
 
 
 def _prompt_source(col: Any, options: InferOptions) -> Column:

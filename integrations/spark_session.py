@@ -1,7 +1,8 @@
-"""The local-mode SparkSession of the CLI's Spark engine, without Spark's startup noise.
+"""The SparkSession of the CLI's Spark engine, without Spark's startup noise.
 
->>> from llm_operator.integrations.spark_session import local_session
+>>> from llm_operator.integrations.spark_session import local_session, session
 >>> spark = local_session(4)  # local[4], no UI, no console progress, log level ERROR
+>>> spark = session(4, "sc://host:15002")  # --master: Spark Connect, or any classic master
 
 What is quieted, and nothing else (errors, and any other warning, still show):
 
@@ -63,18 +64,66 @@ def local_session(partitions: int, app_name: str = "llm-operator") -> SparkSessi
     UI, no console progress bar, the log level at ERROR and the startup noise quieted."""
     if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
         raise ValueError(f"partitions must be an int >= 1, got {partitions!r}")
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    return classic_session(f"local[{partitions}]", app_name)
+
+
+def session(
+    partitions: int, master: str | None = None, app_name: str = "llm-operator"
+) -> SparkSession:
+    """The CLI's session: ``local_session(partitions)`` without ``master``; a Spark Connect
+    session for ``sc://host:port``; else a classic session on that master (``local[4]``,
+    ``local-cluster[2,1,1024]``, ``spark://host:7077``, ``yarn``, ``k8s://...``)."""
+    if master is None:
+        return local_session(partitions, app_name)
+    if not isinstance(master, str) or not master.strip():
+        raise ValueError(f"master must be a Spark master URL or sc://host:port, got {master!r}")
+    if master.startswith("sc://"):
+        return connect_session(master)
+    return classic_session(master, app_name)
+
+
+def connect_session(url: str) -> SparkSession:
+    """A Spark Connect session on ``url`` (``sc://host:port``). The server runs the jobs,
+    with its own settings (master, application name, UI); the Python workers are the
+    server's, so they need llm_operator installed. ValueError when this process runs a classic SparkContext
+    already (PySpark keeps one mode per process)."""
+    quiet_pandas_warning()
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    if SparkContext._active_spark_context is not None:
+        raise ValueError(
+            f"cannot connect to {url}: this process runs a classic SparkContext already "
+            "(PySpark allows one mode per process); stop it first, or run in a new process"
+        )
+    try:
+        return SparkSession.builder.remote(url).getOrCreate()
+    except ImportError as error:  # grpcio and friends: pip install 'pyspark[connect]'
+        raise ValueError(
+            f"Spark Connect needs the pyspark[connect] packages ({error}): "
+            "pip install 'llm-operator[spark]' or 'pyspark[connect]'"
+        ) from None
+
+
+def classic_session(master: str, app_name: str = "llm-operator") -> SparkSession:
+    """A classic SparkSession on ``master`` (the existing one if there is one, whatever its
+    master, as ``getOrCreate`` does), quieted as ``local_session``. On a ``local`` or
+    ``local-cluster`` master the Python workers run this interpreter and Spark binds to
+    127.0.0.1 (unless PYSPARK_PYTHON / SPARK_LOCAL_IP say otherwise); on a cluster both
+    are left to the cluster's settings."""
+    if master.startswith("local"):
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     quiet_pandas_warning()
     from pyspark import SparkConf, SparkContext
     from pyspark.sql import SparkSession
 
     settings = session_settings()
-    builder = SparkSession.builder.master(f"local[{partitions}]").appName(app_name)
+    builder = SparkSession.builder.master(master).appName(app_name)
     for key, value in settings.items():
         builder = builder.config(key, value)
     if SparkContext._active_spark_context is None and SparkContext._gateway is None:
-        conf = SparkConf().setMaster(f"local[{partitions}]").setAppName(app_name)
+        conf = SparkConf().setMaster(master).setAppName(app_name)
         conf.setAll(list(settings.items()))
         gateway = _launch_filtered_gateway(conf)
         if gateway is not None:

@@ -26,6 +26,7 @@ from llm_operator.option_fields import (
     optional,
     parse_keyword_item,
     parse_memory_size,
+    probability_mass,
     text,
 )
 
@@ -38,6 +39,17 @@ def physical_memory_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 8 * 2**30
+
+
+def check_single_gpu(config: EngineConfig, backend: str) -> None:
+    """ValueError naming the option when ``backend`` (not vllm) is asked for several GPUs."""
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        value = getattr(config, name)
+        if value is not None and value > 1:
+            raise ValueError(
+                f"{name}={value}: the {backend} backend runs on one device; "
+                'use backend="vllm" to split a model over several GPUs'
+            )
 
 
 @documented
@@ -61,8 +73,17 @@ class EngineConfig:
     kv_cache_memory: int | str = option(
         "auto",
         doc='bytes or a size such as "2GiB" the KV cache may hold; "auto": a quarter of RAM '
-        "on CPU (at most 8 GiB), 80% of free GPU memory",
+        "on CPU (at most 8 GiB), 80% of the GPU memory free once the model is loaded (of "
+        "its gpu_share of the GPU, less what the process holds)",
         check=memory_size,
+    )
+    gpu_share: float | None = option(
+        None,
+        doc="the part of a GPU shared with other workers (0 < x <= 1) this engine counts on "
+        "when kv_cache_memory is auto (vllm: its gpu_memory_utilization); None: the whole "
+        "GPU, or on Spark the task's spark.task.resource.gpu.amount",
+        check=optional(probability_mass),
+        cli_type=float,
     )
     max_batch_size: int = option(256, doc="most rows decoding at once", check=integer(1))
     prefill_batch_tokens: int = option(
@@ -84,6 +105,15 @@ class EngineConfig:
         doc="run groups with the most decode work first (off: an ablation)",
         check=boolean,
         cli="flag",
+    )
+    jump_forward: str = option(
+        "tokens",
+        doc="constrained outputs: append the tokens a grammar forces without a model step: "
+        '"tokens" where the mask admits one token only (outputs unchanged), "text" the '
+        "grammar's forced text as the tokenizer splits it (fewer steps; a value can differ), "
+        '"off"',
+        check=one_of("tokens", "text", "off"),
+        choices=("tokens", "text", "off"),
     )
     token_batching: bool = option(
         True,
@@ -107,6 +137,11 @@ class EngineConfig:
         doc="folder of converted models (default $LLM_OPERATOR_CACHE or ~/.cache/llm-operator)",
         check=optional(folder_path),
     )
+    revision: str | None = option(
+        None,
+        doc="Hugging Face Hub model: the branch, tag or commit to use (default: main)",
+        check=optional(text),
+    )
     # given as a mapping, kept as sorted (name, value) pairs (hashable)
     vllm_options: Mapping[str, Any] | tuple[tuple[str, Any], ...] = option(
         (),
@@ -116,8 +151,23 @@ class EngineConfig:
         cli_type=parse_keyword_item,
     )
 
+    tensor_parallel_size: int | None = option(
+        None,
+        doc='GPUs each layer is split over (tensor parallelism; above 1: backend "vllm" '
+        "only); None: vLLM's default, 1",
+        check=optional(integer(1)),
+    )
+    pipeline_parallel_size: int | None = option(
+        None,
+        doc='GPUs the layers are split across in stages (above 1: backend "vllm" only); '
+        "None: vLLM's default, 1",
+        check=optional(integer(1)),
+    )
+
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.backend in ("native", "hf"):
+            check_single_gpu(self, self.backend)
 
     @property
     def kv_cache_bytes(self) -> int | None:

@@ -30,8 +30,14 @@ class LLMOperator:
     >>> op = LLMOperator("smollm2-135m-instruct")
     >>> results = op.generate(["Classify: ...", ...], SamplingParams(max_tokens=8))
 
+    Prompts: a string is the text the model sees, as it is (``vllm.LLM.generate``'s
+    way); a list of chat messages goes through the model's chat template. Spark, Dask
+    and the command line wrap strings as chat messages themselves when the model has a
+    chat template (their ``chat="auto"``).
     model: an alias (``llm_operator.models.known_aliases()``), a Hugging Face
-        model directory, or a ``.gguf`` file.
+        model directory, a ``.gguf`` file, or a Hugging Face Hub id (``"org/name"``,
+        taken from the Hub cache or downloaded into it; ``revision`` picks a branch,
+        tag or commit).
     The tokenizer loads at once; the model loads on the first ``generate``.
     """
 
@@ -46,7 +52,12 @@ class LLMOperator:
 
             require_vllm()
         trust = self.config.trust_remote_code
-        self.model = resolve_model(model, cache_dir=self.config.cache_dir, trust_remote_code=trust)
+        self.model = resolve_model(
+            model,
+            cache_dir=self.config.cache_dir,
+            trust_remote_code=trust,
+            revision=self.config.revision,
+        )
         self.tokenizer = load_tokenizer(self.model.path, trust_remote_code=trust)
         self.model_info = read_model_info(self.model.path, self.tokenizer, trust_remote_code=trust)
         self.model_config = self.model_info.config
@@ -54,6 +65,11 @@ class LLMOperator:
         self.last_stats = RunStats()
         self._backend: Backend | None = None
         self._constraints = None
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer has a chat template (``chat="auto"`` uses it then)."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
 
     @property
     def backend_name(self) -> str:
@@ -80,7 +96,10 @@ class LLMOperator:
             text = config.get_text_config() if hasattr(config, "get_text_config") else config
             vocab_size = getattr(text, "vocab_size", None) or len(self.tokenizer)
             self._constraints = Constraints(
-                self.tokenizer, vocab_size, self.model_info.eos_token_ids
+                self.tokenizer,
+                vocab_size,
+                self.model_info.eos_token_ids,
+                jump_forward=self.config.jump_forward,
             )
         return self._constraints
 
@@ -128,7 +147,8 @@ class LLMOperator:
         }
         backend = self.backend() if plan.requests else None
         generate_started = time.perf_counter()
-        with ProgressBar(len(valid), enabled=self.config.progress) as bar:
+        user_rows = sum(1 for row in valid if row < rows)  # not the scoring requests
+        with ProgressBar(user_rows, enabled=self.config.progress) as bar:
             run = Run(
                 plan,
                 [params[valid[r.rows[0]]] for r in plan.requests],

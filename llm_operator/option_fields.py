@@ -176,6 +176,13 @@ def boolean(name: str, value: Any) -> bool:
     return value
 
 
+def chat_mode(name: str, value: Any) -> bool | str:
+    """True, False or "auto" (the chat option)."""
+    if isinstance(value, bool) or value == "auto":
+        return value
+    raise ValueError(f'{name} must be True, False or "auto", got {value!r}')
+
+
 def text(name: str, value: Any) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{name} must be a string, got {type(value).__name__} {value!r}")

@@ -17,23 +17,35 @@ class ProgressBar:
         if self.enabled:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total, desc=description, unit="row", dynamic_ncols=True)
+            # smoothing=0: rate and ETA from the average since the start (rows finish in
+            # bursts under decode-first order, which an moving average turns into wild ETAs)
+            self._bar = tqdm(
+                total=total,
+                desc=description,
+                unit="row",
+                dynamic_ncols=True,
+                smoothing=0,
+                mininterval=0.5,
+            )
 
     def update(self, finished: int, new_tokens: int) -> None:
         if self._bar is None:
             return
         self.tokens += new_tokens
+        now = time.perf_counter()
+        if now - self._last_postfix > 0.5:  # the token rate shown with the next redraw
+            self._last_postfix = now
+            self._bar.set_postfix_str(self._rate(now), refresh=False)
         if finished:
             self._bar.update(finished)
-        now = time.perf_counter()
-        if now - self._last_postfix > 0.5:
-            self._last_postfix = now
-            rate = self.tokens / max(now - self.started, 1e-9)
-            self._bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
+
+    def _rate(self, now: float) -> str:
+        return f"{self.tokens / max(now - self.started, 1e-9):.1f} tok/s"
 
     def __enter__(self) -> ProgressBar:
         return self
 
     def __exit__(self, *exc) -> None:
         if self._bar is not None:
+            self._bar.set_postfix_str(self._rate(time.perf_counter()), refresh=True)
             self._bar.close()

@@ -70,7 +70,9 @@ class RunStats:
     planned_prefill_tokens: int = 0
     prefill_tokens_computed: int = 0
     output_tokens: int = 0
-    forced_tokens: int = 0  # output tokens appended without a model step (jump-forward)
+    # output tokens appended without sampling (jump-forward: a decided choice's tail, a
+    # lone allowed token, a grammar's forced text); fed to the model with the row's next step
+    forced_tokens: int = 0
     groups: int = 0
     saving_ratio: float = 0.0
     plan_seconds: float = 0.0

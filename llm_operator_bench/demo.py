@@ -6,9 +6,9 @@ generation (up to a newline, as the demo did before choices) and prints both sid
 side: how many answers name a label, and how many agree with the label a review's rating
 or category implies (``demo_data.gold_label``).
 
-Choices differ per task, and Spark's and Dask's ``llm_infer`` take one set of options per
-call, so those engines classify one task per call; the local engine takes one
-``SamplingParams`` per row and runs all rows in one call.
+Choices differ per task, and every engine runs all rows in one call: the local engine
+with one ``SamplingParams`` per row, Spark and Dask with each row's labels in a column
+(``llm_infer(..., choices_col="labels")``, the CLI's ``--choices-col``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class Classified(NamedTuple):
     labels: list  # the label each output names (demo_data.parse_label), or None
     seconds: float
     stats: Any  # the operator's RunStats on the local engine; None on spark and dask
-    calls: int  # generate calls (one per task with choices on spark and dask)
+    calls: int  # generate calls (one: per-row labels on every engine)
 
 
 def run_demo(
@@ -98,9 +98,9 @@ def classify(
     partitions: int,
     choices: bool = True,
 ) -> Classified:
-    """The demo's rows through ``engine``: "local" runs ``op`` once with a SamplingParams
-    per row; "spark" and "dask" run ``integrations.engines.generate`` once per task with
-    choices (its options are per call) and once for all rows without."""
+    """The demo's rows through ``engine``, in one call: "local" runs ``op`` with a
+    SamplingParams per row; "spark" and "dask" run ``cli.engines.generate`` with each
+    row's labels as its constraint (``choices_col``)."""
     from llm_operator_bench.demo_data import parse_label
 
     prompts = [row["messages"] for row in rows]
@@ -111,25 +111,19 @@ def classify(
     else:
         from llm_operator.cli.engines import generate
 
-        groups: dict[tuple[str, ...] | None, list[int]] = {}
-        for index, row in enumerate(rows):
-            groups.setdefault(tuple(row["labels"]) if choices else None, []).append(index)
-        results = [None] * len(rows)
-        seconds, stats, calls = 0.0, None, len(groups)
-        for labels, members in groups.items():
-            sampling = {"choices": labels} if labels else {"stop": DEMO_STOP}
-            generated = generate(
-                [prompts[i] for i in members],
-                engine=engine,
-                model=model,
-                partitions=partitions,
-                max_tokens=DEMO_MAX_TOKENS,
-                **sampling,
-                **options,
-            )
-            seconds += generated.seconds
-            for index, result in zip(members, generated.results):
-                results[index] = result
+        sampling: dict[str, Any] = {"stop": DEMO_STOP}
+        if choices:  # each row's task labels, from a column: one job over every task
+            sampling = {"choices_col": "labels", "constraints": [row["labels"] for row in rows]}
+        generated = generate(
+            prompts,
+            engine=engine,
+            model=model,
+            partitions=partitions,
+            max_tokens=DEMO_MAX_TOKENS,
+            **sampling,
+            **options,
+        )
+        results, seconds, stats, calls = generated.results, generated.seconds, None, 1
     labels = [parse_label(r.text, row["labels"]) for r, row in zip(results, rows)]
     return Classified(results, labels, seconds, stats, calls)
 
@@ -206,7 +200,7 @@ def _print_run(
             f"{stats.groups} groups"
         )
         return
-    calls = f"{run.calls} jobs, one per task" if run.calls > 1 else "one job"
+    calls = "one job over every task" if run.calls == 1 else f"{run.calls} jobs"
     print(
         f"{head}{len(rows)} rows on {engine} (local mode, {partitions} partitions, {calls}, "
         f"model loads included) in {run.seconds:.1f} s: {len(rows) / run.seconds:.2f} rows/s; "

@@ -165,3 +165,12 @@ def job_group(spark, name: str):
     finally:
         for key in ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel"):
             context.setLocalProperty(key, None)  # type: ignore[arg-type]
+
+
+def chat_wrapped(prompts):
+    """The prompts Spark, Dask and the CLI send the operator by default (``chat="auto"``)
+    for a model with a chat template, as the tiny tokenizers have: each string a user
+    message."""
+    from llm_operator.prompts.encode import as_chat
+
+    return as_chat(list(prompts), chat=True)

@@ -8,7 +8,7 @@ import re
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import hf_generate_greedy
+from helpers import chat_wrapped, hf_generate_greedy
 
 from llm_operator import LLMOperator
 from llm_operator.cli import main
@@ -66,7 +66,7 @@ def test_run_template_writes_outputs_in_order(tiny_llama_dir, reviews_csv, tmp_p
     assert all(r["out_error"] is None for r in rows)
     op = LLMOperator(tiny_llama_dir)
     for r in (rows[0], rows[1], rows[2], rows[4]):
-        ids = op.tokenizer(template.format(text=r["text"] or ""))["input_ids"]
+        ids = op.tokenize(chat_wrapped([template.format(text=r["text"] or "")]))[0]
         expected = hf_generate_greedy(tiny_llama_dir, ids, 5)
         assert r["out"] == op.tokenizer.decode(expected, skip_special_tokens=True)
         assert r["out_completion_tokens"] == len(expected)
@@ -393,3 +393,60 @@ def test_a_bad_constraint_flag_fails_before_any_work(tiny_llama_dir, reviews_csv
         assert code == 2, flags
         assert message in capsys.readouterr().err, flags
         assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_master_is_for_the_spark_engine_only(tiny_llama_dir, reviews_csv, tmp_path, capsys):
+    """--master (a Spark master URL or sc://host:port; run on Spark Connect in
+    test_spark_connect.py) is refused with another engine, before any work."""
+    for engine in ("local", "dask"):
+        argv = ["run", str(reviews_csv), "--prompt-col", "text", "--model", str(tiny_llama_dir)]
+        argv += ["--output", str(tmp_path / "o.jsonl"), "--engine", engine]
+        assert main([*argv, "--master", "local[2]"]) == 2
+        err = capsys.readouterr().err
+        assert f"--master is for --engine spark (got --engine {engine})" in err
+        assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_plan_shows_the_prompt_as_the_model_sees_it(tiny_llama_dir, reviews_csv, capsys):
+    """chat="auto" (the default) wraps each row as a user message of the chat template;
+    --no-chat sends the raw text; plan prints row 0 either way, and --json holds it."""
+    argv = [
+        "plan",
+        str(reviews_csv),
+        "--template",
+        "Review: {text}",
+        "--model",
+        str(tiny_llama_dir),
+    ]
+    assert main(argv) == 0
+    shown = capsys.readouterr().out
+    expected = (
+        "<|im_start|>user\nReview: Great value for the price.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert f"the prompt of row 0 as the model sees it:\n{expected}\n" in shown
+    assert main([*argv, "--no-chat"]) == 0
+    assert "as the model sees it:\nReview: Great value for the price.\n" in capsys.readouterr().out
+    argv = ["plan", str(reviews_csv), "--prompt-col", "text", "--model", str(tiny_llama_dir)]
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["example_prompt"] == expected.replace("Review: ", "")
+
+
+def test_run_default_chat_equals_explicit_chat_and_differs_from_raw(
+    tiny_llama_dir, reviews_csv, tmp_path
+):
+    outputs = {}
+    for name, flags in (("auto", []), ("chat", ["--chat"]), ("raw", ["--no-chat"])):
+        out = tmp_path / f"{name}.jsonl"
+        argv = ["run", str(reviews_csv), "--prompt-col", "text", "--output", str(out)]
+        code = main([*argv, "--model", str(tiny_llama_dir), "--max-tokens", "4", *flags])
+        assert code == 0
+        outputs[name] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert outputs["auto"] == outputs["chat"]
+    prompt_tokens = {k: [r["out_prompt_tokens"] for r in v] for k, v in outputs.items()}
+    # the template adds its role markers around each (non-null) prompt
+    assert all(
+        c > r
+        for c, r, row in zip(prompt_tokens["auto"], prompt_tokens["raw"], outputs["raw"])
+        if row["out_error"] is None
+    )

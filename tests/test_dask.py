@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from distributed import Client, LocalCluster
-from helpers import TYPED_SCHEMA
+from helpers import TYPED_SCHEMA, chat_wrapped
 
 from llm_operator import LLMOperator, SamplingParams
 from llm_operator.integrations import dask as llm_dask
@@ -63,7 +63,7 @@ def frame() -> pd.DataFrame:
 def expected(model_dir, frame) -> pd.DataFrame:
     """The oracle: LLMOperator.generate on all rows at once, as result columns."""
     results = LLMOperator(model_dir).generate(
-        frame["prompt"].tolist(), SamplingParams(max_tokens=MAX_TOKENS)
+        chat_wrapped(frame["prompt"]), SamplingParams(max_tokens=MAX_TOKENS)
     )
     return pd.DataFrame([r._asdict() for r in results], index=frame.index)
 
@@ -267,7 +267,7 @@ def test_constrained_columns_match_the_operator_with_meta(model_dir):
 
     operator = LLMOperator(model_dir)
     expected = {
-        output: operator.generate(prompts, SamplingParams(**options))
+        output: operator.generate(chat_wrapped(prompts), SamplingParams(**options))
         for output, options in runs.items()
     }
     for row, (_, got) in enumerate(computed.iterrows()):

@@ -9,6 +9,7 @@ import os
 
 import pandas as pd
 import pytest
+from helpers import chat_wrapped
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -37,7 +38,8 @@ def expected(tiny_llama_dir):
 
     def answer(prompt):
         if prompt not in cache:
-            (cache[prompt],) = operator.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS))
+            params = SamplingParams(max_tokens=MAX_TOKENS)
+            (cache[prompt],) = operator.generate(chat_wrapped([prompt]), params)
         return cache[prompt]
 
     return answer

@@ -32,9 +32,14 @@ PROBES = {
     "share_prefixes": False,
     "decode_first": False,
     "token_batching": False,
+    "jump_forward": "text",
     "trust_remote_code": True,
     "progress": True,
     "cache_dir": "/tmp/llm-operator-probe-cache",
+    "revision": "main",  # a directory model: ignored (tests/test_hub_models.py checks it)
+    "gpu_share": 0.5,
+    "tensor_parallel_size": 1,  # > 1 only on the vLLM backend (tests/test_devices.py)
+    "pipeline_parallel_size": 1,
     "vllm_options": {"enforce_eager": True, "max_num_seqs": 3},
     "max_tokens": 3,
     "temperature": 0.5,
@@ -72,8 +77,10 @@ DEFAULTS = {
         "backend": "auto", "device": "auto", "dtype": "auto", "kv_cache_memory": "auto",
         "max_batch_size": 256, "prefill_batch_tokens": 4096, "kv_block_size": 16,
         "min_shared_tokens": 4, "share_prefixes": True, "decode_first": True,
-        "token_batching": True, "trust_remote_code": False, "progress": False,
-        "cache_dir": None, "vllm_options": (),
+        "token_batching": True, "jump_forward": "tokens", "trust_remote_code": False,
+        "progress": False,
+        "cache_dir": None, "revision": None, "gpu_share": None, "tensor_parallel_size": None,
+        "pipeline_parallel_size": None, "vllm_options": (),
     },
     SamplingParams: {
         "max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "stop": (),
@@ -81,7 +88,7 @@ DEFAULTS = {
         "json_schema": None, "logprobs": False,
     },
     PromptOptions: {
-        "chat": False, "system": None, "template": None, "columns": None,
+        "chat": "auto", "system": None, "template": None, "columns": None,
         "instruction": None, "reorder_fields": False, "dedupe": False,
     },
 }  # fmt: skip
@@ -136,6 +143,7 @@ def test_the_options_are_typed_fields_of_the_config_classes() -> None:
     assert options_of(LLMOperator, {"model"}) == DEFAULTS[EngineConfig]
     everything = {k: v for defaults in DEFAULTS.values() for k, v in defaults.items()}
     own = {"col", "ddf", "model", "engine_options", "value", "output"}
+    own |= {"choices_col", "regex_col", "json_schema_col"}  # columns, not options
     assert options_of(spark.llm_infer, own) == everything
     assert options_of(dask.llm_infer, own) == everything
 
@@ -256,9 +264,10 @@ def test_every_option_reaches_the_worker_operator(tiny_llama_dir) -> None:
     operator = _partition.get_operator(options)
     for option in option_table.scope("engine"):
         assert getattr(operator.config, option.name) == getattr(expected.engine, option.name)
-    assert options.prompts(["hi"]) == [
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    ]
+    for template in (True, False):  # chat=True: messages, with or without a template
+        assert options.prompts(["hi"], template) == [
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+        ]
 
 
 def _expected(model: Path, probes: dict = PROBES) -> _partition.InferOptions:
@@ -424,3 +433,22 @@ def test_the_table_options_reach_every_entry_point(
         **{k: option_table.BY_NAME[k].validate(v) for k, v in variant.items()},
         "dedupe": True,
     }
+
+
+def test_chat_auto_wraps_strings_only_for_a_model_with_a_chat_template(tiny_llama_dir) -> None:
+    """The default: a chat template makes each string a user message; none leaves it raw;
+    chat=False keeps raw text even with a template; a bad value is refused up front."""
+    from llm_operator.prompts.encode import as_chat
+
+    auto = _partition.make_options(model=str(tiny_llama_dir))
+    assert auto.chat == "auto"
+    user = [{"role": "user", "content": "hi"}]
+    assert auto.prompts(["hi", None, ""], True) == [user, None, ""]
+    assert auto.prompts(["hi"], False) == ["hi"]
+    raw = _partition.make_options(model=str(tiny_llama_dir), chat=False)
+    assert raw.prompts(["hi"], True) == ["hi"]
+    system = _partition.make_options(model=str(tiny_llama_dir), system="Be brief.")
+    assert system.prompts(["hi"], False)[0][0] == {"role": "system", "content": "Be brief."}
+    assert as_chat(["hi"], chat="auto", chat_template=True) == [user]
+    with pytest.raises(ValueError, match='chat must be True, False or "auto"'):
+        _partition.make_options(model=str(tiny_llama_dir), chat="yes")

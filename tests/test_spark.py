@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("pyspark")
 
 import pandas as pd  # noqa: E402
-from helpers import REVIEWS, TYPED_SCHEMA, job_group  # noqa: E402
+from helpers import REVIEWS, TYPED_SCHEMA, chat_wrapped, job_group  # noqa: E402
 from pyspark import cloudpickle  # noqa: E402
 from pyspark.resource import ResourceInformation  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
@@ -77,7 +77,7 @@ def reference(model_dir):
     operator = LLMOperator(model_dir)
 
     def generate(prompts) -> list[dict]:
-        results = operator.generate(list(prompts), SamplingParams(max_tokens=MAX_TOKENS))
+        results = operator.generate(chat_wrapped(prompts), SamplingParams(max_tokens=MAX_TOKENS))
         return [{name: getattr(r, name) for name in FIELDS} for r in results]
 
     return generate
@@ -176,6 +176,8 @@ def test_infer_batches_runs_the_partition_once_and_keeps_batch_sizes(
     assert "spark partition 7: 5 rows" in caplog.text
     with pytest.raises(TypeError, match="int64"):
         list(infer_batches(iter([pd.Series([1, 2])]), options))
+    with pytest.raises(TypeError, match="prompt column 'n': llm_infer needs a string column"):
+        list(infer_batches(iter([pd.Series([1, 2])]), options, prompt_name="n"))
 
 
 # -- jobs ---------------------------------------------------------------------------
@@ -377,7 +379,9 @@ def test_constrained_outputs_match_the_operator(spark, model_dir):
         ).collect()
     }
     operator = LLMOperator(model_dir)
-    expected = {c: operator.generate(prompts, SamplingParams(**o)) for c, o in runs.items()}
+    expected = {
+        c: operator.generate(chat_wrapped(prompts), SamplingParams(**o)) for c, o in runs.items()
+    }
     for row in rows:
         for column, results in expected.items():
             want, got = results[row["id"]], row[column]
@@ -475,5 +479,27 @@ def test_wrong_type_column_is_a_type_error_before_any_model_loads(spark, model_d
         assert tracker.getJobIdsForGroup("llm-wrong-type") == []  # no job ran
     # Through the bare column the UDF raises it, before run_partition loads a model. (Last
     # in this file: a task that raises takes its Python worker down, engine and all.)
-    with pytest.raises(Exception, match=r"(?s)TypeError.*llm_infer needs a string column.*int32"):
+    with pytest.raises(
+        Exception, match=r"(?s)TypeError.*prompt column 'n'.*llm_infer needs a string column.*int32"
+    ):
         df.select(llm_infer("n", model=model_dir)).collect()
+
+
+def test_a_worker_python_without_llm_operator_is_named_on_the_driver(
+    spark, model_dir, tmp_path, monkeypatch
+):
+    """The README's recipe without PYSPARK_PYTHON: workers would run a `python3` that has
+    no llm_operator and fail inside a JVM trace; llm_infer says what to set instead."""
+    fake = tmp_path / "python3"
+    fake.write_text(
+        "#!/bin/sh\necho \"ModuleNotFoundError: No module named 'llm_operator'\" >&2\nexit 1\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setattr(spark.sparkContext, "pythonExec", str(fake))
+    with pytest.raises(ValueError) as error:
+        llm_infer("prompt", model=model_dir, max_tokens=2)
+    message = str(error.value)
+    assert str(fake) in message and "PYSPARK_PYTHON" in message
+    assert "No module named 'llm_operator'" in message and sys.executable in message
+    monkeypatch.setattr(spark.sparkContext, "pythonExec", sys.executable)
+    llm_infer("prompt", model=model_dir, max_tokens=2)  # this interpreter: no check needed

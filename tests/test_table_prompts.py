@@ -12,7 +12,7 @@ import random
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import hf_generate_greedy
+from helpers import chat_wrapped, hf_generate_greedy
 
 from llm_operator.prompts.field_order import ArrowStatistics, estimate, plan_fields
 from llm_operator.prompts.table import NULL_TEXT, Field, TablePrompt, render_arrow, render_pandas
@@ -211,7 +211,7 @@ def _expected_texts(model_dir, prompts: list[str]) -> dict[str, str]:
     operator = LLMOperator(str(model_dir))
     out = {}
     for prompt in dict.fromkeys(prompts):
-        ids = operator.tokenize([prompt])[0]
+        ids = operator.tokenize(chat_wrapped([prompt]))[0]
         tokens = hf_generate_greedy(model_dir, ids, MAX_TOKENS)
         eos = set(operator.model_info.eos_token_ids)
         out[prompt] = operator.tokenizer.decode(

@@ -71,13 +71,42 @@ class Checkpoint:
         """The chunks with no finished part yet."""
         return [(s, e) for s, e in self.chunks() if not self._part(s, e).exists()]
 
-    def save(self, start: int, end: int, results: Sequence[GenerationResult]) -> None:
+    def save(
+        self,
+        start: int,
+        end: int,
+        results: Sequence[GenerationResult],
+        computed: Sequence[float] | None = None,
+    ) -> None:
+        """Write the chunk's part; ``computed``: what the engine computed for it (prefill
+        tokens, output tokens, generate seconds; None where the workers kept it), written
+        first, so that a part never exists without it."""
         assert len(results) == end - start, f"chunk {start}-{end}: {len(results)} results"
+        stats = self._stats(start, end)
+        if computed is not None:
+            _write_atomically(stats, json.dumps(list(computed)))
+        elif stats.exists():  # from an attempt that did not finish: not this part's
+            stats.unlink()
         lines = [
             json.dumps({"row": start + i, **r._asdict()}, ensure_ascii=True) + "\n"
             for i, r in enumerate(results)
         ]
         _write_atomically(self._part(start, end), "".join(lines))
+
+    def _stats(self, start: int, end: int) -> Path:
+        return self.folder / f"stats-{start:010d}-{end:010d}.json"
+
+    def computed(self) -> tuple[int, int, float] | None:
+        """Prefill tokens, output tokens and generate seconds summed over every finished
+        chunk (of this run and earlier ones), or None when a chunk's are unknown."""
+        totals = [0, 0, 0.0]
+        for start, end in self.chunks():
+            stats = self._stats(start, end)
+            if not (self._part(start, end).exists() and stats.exists()):
+                return None
+            for i, value in enumerate(json.loads(stats.read_text())):
+                totals[i] += value
+        return int(totals[0]), int(totals[1]), float(totals[2])
 
     def results(self) -> list[GenerationResult]:
         """Every row's result, in input order, from the parts (all chunks must be done)."""

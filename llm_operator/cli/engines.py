@@ -26,11 +26,20 @@ def generate(
     engine: str,
     model: str,
     partitions: int = 2,
+    scheduler: str | None = None,
+    master: str | None = None,
+    constraints: Sequence[Any] | None = None,
     **options: Any,
 ) -> Generated:
     """Results in input order. ``options``: any engine, sampling or prompt option
     (``llm_operator.options``), passed the same way to every engine (``progress`` shows a
-    bar on the local engine; Spark and Dask workers log a line per partition instead)."""
+    bar of rows on the local engine and of finished partitions on Dask; Spark and Dask
+    workers log a line per partition). ``scheduler``: a Dask scheduler address
+    (``dask_client``). ``master``: where Spark runs (``spark_session.session``): a master
+    URL, or ``sc://host:port`` for Spark Connect; default ``local[partitions]``.
+    ``constraints``: with ``choices_col``, ``regex_col`` or ``json_schema_col`` (in
+    ``options``), each prompt's constraint value (``constraint_cells``): one call serves
+    rows of several tasks, on every engine."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
@@ -38,17 +47,32 @@ def generate(
     from llm_operator.integrations.partition import get_operator, make_options
 
     checked = make_options(model=model, **options)  # every option checked before any work
+    if checked.constraint_col is not None:
+        kind, _ = checked.constraint_col
+        if constraints is None or len(constraints) != len(prompts):
+            raise ValueError(f"{kind}_col: give one constraint value per prompt")
+        constraints = constraint_cells(kind, constraints)
     started = time.perf_counter()
     stats = None
     if engine == "local":
         operator = get_operator(checked)
-        results = operator.generate(checked.prompts(list(prompts)), checked.sampling)
+        if checked.constraint_col is not None:
+            from llm_operator.integrations.partition import run_partition
+
+            # each row's SamplingParams; a bad constraint value is that row's error
+            results = run_partition(list(prompts), checked, label="local", constraints=constraints)
+        else:
+            chat_prompts = checked.prompts(list(prompts), operator.has_chat_template)
+            results = operator.generate(chat_prompts, checked.sampling)
         stats = operator.last_stats
     else:
         # workers report one log line per partition; their progress bars would interleave
         worker_options = {"model": model, **options, "progress": False}
-        run = _spark if engine == "spark" else _dask
-        results = run(prompts, worker_options, partitions)
+        if engine == "spark":
+            results = _spark(prompts, worker_options, partitions, master, constraints)
+        else:
+            progress = checked.engine.progress
+            results = _dask(prompts, worker_options, partitions, scheduler, progress, constraints)
     return Generated(results, time.perf_counter() - started, stats)
 
 
@@ -69,14 +93,20 @@ def _to_result(record: Mapping[str, Any]):
     )
 
 
-def _spark(prompts: Sequence[Any], infer_kwargs: Mapping[str, Any], partitions: int) -> list:
+def _spark(
+    prompts: Sequence[Any],
+    infer_kwargs: Mapping[str, Any],
+    partitions: int,
+    master: str | None = None,
+    constraints: Sequence[Any] | None = None,
+) -> list:
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
 
     from llm_operator.integrations.spark import co_locate, llm_infer
-    from llm_operator.integrations.spark_session import local_session
+    from llm_operator.integrations.spark_session import session
 
-    spark = local_session(partitions)
+    spark = session(partitions, master)  # local[partitions], a master URL or sc://
     chat = any(isinstance(p, list) for p in prompts)
     if chat:
         message = T.StructType(
@@ -87,10 +117,14 @@ def _spark(prompts: Sequence[Any], infer_kwargs: Mapping[str, Any], partitions: 
     else:
         prompt_type = T.StringType()
         values = [p if isinstance(p, str) or p is None else None for p in prompts]
-    schema = T.StructType(
-        [T.StructField("row", T.LongType()), T.StructField("prompt", prompt_type)]
-    )
-    frame = spark.createDataFrame(list(enumerate(values)), schema).repartition(partitions)
+    fields = [T.StructField("row", T.LongType()), T.StructField("prompt", prompt_type)]
+    data = [(row, value) for row, value in enumerate(values)]
+    if constraints is not None:  # each row's constraint, in a column named as the option says
+        infer_kwargs, name = _constraint_column(infer_kwargs)
+        cells, cell_type = _spark_cells(constraints)
+        fields.append(T.StructField(name, cell_type))
+        data = [(row, value, cell) for (row, value), cell in zip(data, cells)]
+    frame = spark.createDataFrame(data, T.StructType(fields)).repartition(partitions)
     # chat rows co-locate by their messages as JSON (system and shared turns come first)
     frame = co_locate(frame, F.to_json("prompt") if chat else "prompt", partitions)
     # the table keeps the JSON text: no typed value (so any schema the engine compiles works)
@@ -109,7 +143,51 @@ def _spark(prompts: Sequence[Any], infer_kwargs: Mapping[str, Any], partitions: 
     return _restore_type_errors(prompts, results)
 
 
-def _dask(prompts: Sequence[Any], infer_kwargs: Mapping[str, Any], partitions: int) -> list:
+def dask_client(scheduler: str | None = None):
+    """The ``distributed.Client`` a Dask run uses, or None for the local threads scheduler.
+
+    ``scheduler``: a scheduler address (``tcp://host:8786``) to connect to. Without one, a
+    client already made in this process is used, else the address Dask's config gives
+    (``DASK_SCHEDULER_ADDRESS`` or ``scheduler-address``); with none of them the job runs
+    on local threads. Returns (client, whether this call made it, so should close it).
+    """
+    import dask
+
+    if scheduler is None:
+        try:
+            from distributed import default_client
+
+            return default_client(), False
+        except (ImportError, ValueError):  # no distributed, or no client yet
+            pass
+        scheduler = dask.config.get("scheduler-address", None)
+        if not scheduler:
+            return None, False
+    try:
+        from distributed import Client
+    except ImportError:
+        raise ValueError(
+            f"a Dask scheduler ({scheduler}) needs the distributed package: "
+            "pip install 'dask[distributed]'"
+        ) from None
+    try:
+        return Client(scheduler, timeout="20s"), True
+    except OSError as error:
+        raise ValueError(
+            f"cannot reach the Dask scheduler at {scheduler} ({error}); start one with "
+            "`dask scheduler` and workers with `dask worker ADDRESS`, or leave out "
+            "--scheduler (and DASK_SCHEDULER_ADDRESS) to run on local threads"
+        ) from None
+
+
+def _dask(
+    prompts: Sequence[Any],
+    infer_kwargs: Mapping[str, Any],
+    partitions: int,
+    scheduler: str | None = None,
+    progress: bool = False,
+    constraints: Sequence[Any] | None = None,
+) -> list:
     import dask
     import dask.dataframe as dd
     import pandas as pd
@@ -126,12 +204,24 @@ def _dask(prompts: Sequence[Any], infer_kwargs: Mapping[str, Any], partitions: i
             "key": pd.Series(keys, dtype=object),
         }
     )
+    if constraints is not None:  # each row's constraint, in a column named as the option says
+        infer_kwargs, name = _constraint_column(infer_kwargs)
+        frame[name] = pd.Series(list(constraints), dtype=object)
+    client, owned = dask_client(scheduler)
     # keep message lists as Python objects (dask would turn object columns into strings)
-    with dask.config.set({"dataframe.convert-string": False, "scheduler": "threads"}):
-        ddf = dd.from_pandas(frame, npartitions=partitions)
-        ddf = co_locate(ddf, "key", partitions)
-        ddf = llm_infer(ddf, "prompt", output="out", value=False, **infer_kwargs)
-        computed = ddf.compute().sort_values("row")
+    settings: dict[str, Any] = {"dataframe.convert-string": False}
+    if client is None:
+        settings["scheduler"] = "threads"
+    try:
+        with dask.config.set(settings):
+            ddf = dd.from_pandas(frame, npartitions=partitions)
+            ddf = co_locate(ddf, "key", partitions)
+            ddf = llm_infer(ddf, "prompt", output="out", value=False, **infer_kwargs)
+            computed = _compute_with_progress(ddf, client, progress)
+    finally:
+        if owned:
+            client.close()
+    computed = computed.sort_values("row")
     results = [
         _to_result(
             {
@@ -147,6 +237,82 @@ def _dask(prompts: Sequence[Any], infer_kwargs: Mapping[str, Any], partitions: i
         for r in computed.to_dict("records")
     ]
     return _restore_type_errors(prompts, results)
+
+
+def _compute_with_progress(ddf, client, progress: bool):
+    """``ddf.compute()``, with a bar of finished tasks when ``progress`` (the local
+    scheduler's ``dask.diagnostics.ProgressBar``, or ``distributed.progress`` on a
+    cluster) and each worker's per-partition log lines shown here."""
+    if client is None:
+        if not progress:
+            return ddf.compute()
+        from dask.diagnostics import ProgressBar
+
+        with ProgressBar(dt=1.0):
+            return ddf.compute()
+    from llm_operator.integrations.partition import logger
+
+    client.forward_logging(logger.name)  # the workers' partition lines, here
+    future = client.compute(ddf)
+    if progress:
+        from distributed import progress as show_progress
+
+        show_progress(future)
+    return future.result()
+
+
+CONSTRAINT_OPTIONS = ("choices_col", "regex_col", "json_schema_col")
+_TABLE_COLUMNS = ("row", "prompt", "key")  # the columns _spark and _dask build
+
+
+def _constraint_column(infer_kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """(the options, the constraint column's name in the job's table): the name the option
+    gives (so row errors name it), unless the job's own columns use it."""
+    kwargs = dict(infer_kwargs)
+    option = next(name for name in CONSTRAINT_OPTIONS if kwargs.get(name) is not None)
+    if kwargs[option] in _TABLE_COLUMNS:
+        kwargs[option] = f"__{kwargs[option]}"
+    return kwargs, kwargs[option]
+
+
+def constraint_cells(kind: str, values: Sequence[Any]) -> list[Any]:
+    """A table's constraint cells as the engines take them: None, text, a list of labels
+    (choices) or a dict (json_schema; a struct read from Parquet or JSONL keeps only the keys
+    that hold a value, as pyarrow fills every row's struct with every key). Other values
+    (numbers: a CSV column of one-label rows) become their text."""
+    cells: list[Any] = []
+    for value in values:
+        if value is None or isinstance(value, str):
+            cells.append(value)
+        elif kind == "choices" and isinstance(value, (list, tuple)):
+            cells.append(list(value))
+        elif kind == "json_schema" and isinstance(value, Mapping):
+            cells.append(_without_nulls(value))
+        else:
+            cells.append(str(value))
+    return cells
+
+
+def _without_nulls(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def _spark_cells(cells: Sequence[Any]):
+    """(the cells, their Spark type): array<string> when every label list holds strings,
+    else strings (lists and dicts as JSON text; each is checked per row on the workers)."""
+    from pyspark.sql import types as T
+
+    given = [cell for cell in cells if cell is not None]
+    if given and all(
+        isinstance(cell, list) and all(isinstance(item, str) for item in cell) for cell in given
+    ):
+        return list(cells), T.ArrayType(T.StringType())
+    text = [cell if cell is None or isinstance(cell, str) else json.dumps(cell) for cell in cells]
+    return text, T.StringType()
 
 
 def _restore_type_errors(prompts: Sequence[Any], results: list) -> list:

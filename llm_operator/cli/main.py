@@ -28,6 +28,10 @@ def _add_prompt_source(parser: argparse.ArgumentParser) -> None:
         help="the column holding the prompts (or build them with --template or --columns)",
     )
     parser.add_argument("--limit", type=int, help="only the first N rows")
+    parser.add_argument(
+        "--encoding",
+        help="the text encoding of a CSV or JSONL input (default utf-8; e.g. latin-1, cp1252)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +52,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--partitions", type=int, default=2, help="partitions for spark and dask")
     run.add_argument(
+        "--scheduler",
+        metavar="ADDRESS",
+        help="with --engine dask: the Dask scheduler to run on (tcp://host:8786); default: "
+        "DASK_SCHEDULER_ADDRESS when set, else threads in this process",
+    )
+    run.add_argument(
+        "--master",
+        metavar="URL",
+        help="with --engine spark: where Spark runs: a master URL (local[4], "
+        "local-cluster[2,1,1024], spark://host:7077, yarn) or sc://host:port for Spark "
+        "Connect; default: local[PARTITIONS] (or the session already running in this process)",
+    )
+    run.add_argument(
         "--checkpoint",
         type=Path,
         help="a folder where finished rows are written as they complete; the same command "
@@ -58,6 +75,25 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1000,
         help="rows per checkpointed chunk (default: 1000)",
+    )
+    constraint_cols = run.add_argument_group(
+        "per-row constraints (one job over several tasks; at most one, and not with "
+        "--choices, --regex or --json-schema)"
+    )
+    constraint_cols.add_argument(
+        "--choices-col",
+        metavar="NAME",
+        help="a column holding each row's labels: a list (Parquet, JSONL), or text: a JSON "
+        'list (["yes","no"]) or comma-separated (yes,no); an empty or null cell leaves the '
+        "row unconstrained; a bad value is that row's error",
+    )
+    constraint_cols.add_argument(
+        "--regex-col", metavar="NAME", help="a column holding each row's regular expression"
+    )
+    constraint_cols.add_argument(
+        "--json-schema-col",
+        metavar="NAME",
+        help="a column holding each row's JSON schema (JSON text, or an object in JSONL)",
     )
     _add_model_option(run)
     option_table.add_arguments(run)
@@ -92,7 +128,12 @@ class Loaded(NamedTuple):
 def _load_prompts(args) -> Loaded:
     """The table and one prompt per row (``--prompt-col``, or rendered from
     ``--template``/``--columns``); table options are checked before the table is read."""
-    from llm_operator.cli.tables import prompts_from_table, read_table
+    from llm_operator.cli.tables import (
+        first_bytes_not_utf8,
+        not_utf8_message,
+        prompts_from_table,
+        read_table,
+    )
     from llm_operator.prompts.field_order import ArrowStatistics, plan_fields
     from llm_operator.prompts.table import render_arrow, table_options
 
@@ -110,11 +151,15 @@ def _load_prompts(args) -> Loaded:
     if given is None and args.prompt_col is None:
         raise ValueError("give --prompt-col, or build prompts with --template or --columns")
     dedupe = options.get("dedupe", False)
-    table = read_table(args.input)
+    table = read_table(args.input, args.encoding)
     if args.limit is not None:
         if args.limit < 1:
             raise ValueError(f"--limit must be >= 1, got {args.limit}")
         table = table.slice(0, args.limit)
+    if given is not None and args.encoding is None:  # a template needs text: say which byte
+        found = first_bytes_not_utf8(table, given.fields)
+        if found is not None:
+            raise ValueError(not_utf8_message(args.input, found))
     rest = {k: v for k, v in options.items() if k not in TABLE_OPTIONS}
     if given is None:
         prompts = prompts_from_table(table, prompt_col=args.prompt_col)
@@ -129,59 +174,164 @@ def _load_prompts(args) -> Loaded:
 def command_run(args) -> int:
     from llm_operator.cli.engines import generate
     from llm_operator.cli.tables import add_result_columns, table_format, write_table
-    from llm_operator.prompts.dedupe import dedupe
 
     table_format(args.output)  # fail on a bad output name before any work
+    if args.scheduler is not None and args.engine != "dask":
+        raise ValueError(f"--scheduler is for --engine dask (got --engine {args.engine})")
+    if args.master is not None and args.engine != "spark":
+        raise ValueError(f"--master is for --engine spark (got --engine {args.engine})")
+    if args.engine != "local":  # one line per partition, from the workers
+        logging.getLogger("llm_operator.integrations").setLevel(logging.INFO)
     table, prompts, fields, options, _, deduplicate = _load_prompts(args)
     if fields is not None:
         print(fields.report())
+    constraints = _constraint_values(args, table, options)
+    if constraints is not None:
+        options = {**options, **constraints[0]}
+        constraints = constraints[1]
     positions = None
     if deduplicate:
-        prompts, positions = dedupe(prompts)
+        prompts, positions, constraints = _dedupe_rows(prompts, constraints)
         print(f"dedupe: {len(positions)} rows, {len(prompts)} distinct prompts to compute")
     if args.checkpoint is not None:
-        results, seconds, stats = _run_checkpointed(args, prompts, options)
+        results, seconds, stats = _run_checkpointed(args, prompts, options, constraints)
     else:
         results, seconds, stats = generate(
-            prompts, engine=args.engine, model=args.model, partitions=args.partitions, **options
+            prompts,
+            engine=args.engine,
+            model=args.model,
+            constraints=constraints,
+            **_engine_arguments(args),
+            **options,
         )
+        stats = _computed(stats)
     if positions is not None:
         results = [results[i] for i in positions]
     with_scores = bool(options.get("logprobs"))
+    with_choices = options.get("choices") is not None or options.get("choices_col") is not None
     table = add_result_columns(
         table,
         results,
         args.output_col,
         logprobs=with_scores,
-        choice_logprobs=with_scores and options.get("choices") is not None,
+        choice_logprobs=with_scores and with_choices,
     )
     write_table(table, args.output)
+    print(f"{summary(results, seconds, args.engine, stats)}; wrote {args.output}")
+    return 0
+
+
+def _constraint_values(args, table, options: dict) -> tuple[dict, list] | None:
+    """With --choices-col, --regex-col or --json-schema-col: ({option: column}, each row's
+    cell as the engines take it); None without. ValueError for two at once, with
+    --choices/--regex/--json-schema, or a column the table lacks. An empty CSV cell is
+    null (CSV has no other null)."""
+    from llm_operator.cli.engines import CONSTRAINT_OPTIONS, constraint_cells
+    from llm_operator.cli.tables import table_format
+
+    given = {name: getattr(args, name) for name in CONSTRAINT_OPTIONS}
+    given = {name: column for name, column in given.items() if column is not None}
+    if not given:
+        return None
+    flags = [f"--{name.replace('_', '-')}" for name in ("choices", "regex", "json_schema")]
+    named = [flag for flag in flags if options.get(flag[2:].replace("-", "_")) is not None]
+    named += [f"--{name.replace('_', '-')}" for name in given]
+    if len(named) > 1:
+        raise ValueError(
+            f"give at most one per-row or per-call constraint; got {' and '.join(named)}"
+        )
+    ((option, column),) = given.items()
+    if column not in table.column_names:
+        raise ValueError(
+            f"--{option.replace('_', '-')} {column!r} is not a column of the input; "
+            f"columns: {', '.join(table.column_names)}"
+        )
+    values = table.column(column).to_pylist()
+    if table_format(args.input) == "csv":
+        values = [None if isinstance(v, str) and not v.strip() else v for v in values]
+    return {option: column}, constraint_cells(option.removesuffix("_col"), values)
+
+
+def _dedupe_rows(prompts: list, constraints: list | None) -> tuple[list, list, list | None]:
+    """(each distinct prompt, or (prompt, constraint), once; each row's index into them;
+    their constraints)."""
+    from llm_operator.prompts.dedupe import dedupe
+
+    distinct, positions = dedupe(prompts)
+    if constraints is None:
+        return distinct, positions, None
+    index: dict[tuple[int, str], int] = {}
+    firsts: list[int] = []
+    rows: list[int] = []
+    for row, (prompt, cell) in enumerate(zip(positions, constraints)):
+        key = (prompt, json.dumps(cell, default=repr))
+        if key not in index:
+            index[key] = len(firsts)
+            firsts.append(row)
+        rows.append(index[key])
+    return [prompts[i] for i in firsts], rows, [constraints[i] for i in firsts]
+
+
+class Computed(NamedTuple):
+    """What the engine computed (known on the local engine, summed over checkpoint chunks)."""
+
+    prefill_tokens: int
+    output_tokens: int
+    generate_seconds: float
+
+
+def summary(results: list, seconds: float, engine: str, computed: Computed | None) -> str:
+    """The run's summary line: rows, error rows, constrained rows cut by max_tokens, prompt
+    tokens of every row (duplicates included), prefill computed and the saving against
+    those, output tokens, rows/s. On Spark and Dask the prefill is in the workers' lines."""
     errors = sum(r.is_error for r in results)
     invalid = sum(r.is_invalid for r in results)
     counts = f"{errors} errors"
     if invalid:  # constrained rows cut by max_tokens: text kept, out_error says why
         counts += f", {invalid} constrained outputs cut before they were valid: raise --max-tokens"
-    line = f"{len(results)} rows ({counts}) on {args.engine} in {seconds:.1f} s: "
-    line += f"{len(results) / seconds:.2f} rows/s"
-    if stats is not None:
-        line += (
-            f", {stats.output_tokens_per_second:.1f} output tokens/s, "
-            f"saving ratio {stats.saving_ratio:.1%}"
-        )
-    print(f"{line}; wrote {args.output}")
-    return 0
+    prompt_tokens = sum(r.prompt_tokens for r in results if not r.is_error)
+    output_tokens = sum(r.completion_tokens for r in results)
+    line = f"{len(results)} rows ({counts}) on {engine} in {seconds:.1f} s, "
+    line += f"{len(results) / seconds if seconds > 0 else 0.0:.2f} rows/s; "
+    line += f"{prompt_tokens:,} prompt tokens"
+    if computed is None:
+        line += " (prefill computed: each partition's line above)"
+    else:
+        saving = 1 - computed.prefill_tokens / prompt_tokens if prompt_tokens else 0.0
+        line += f", {computed.prefill_tokens:,} prefilled (saving {saving:.1%})"
+    line += f", {output_tokens:,} output tokens"
+    if computed is not None and computed.generate_seconds > 0:
+        line += f" ({computed.output_tokens / computed.generate_seconds:.1f}/s)"
+    return line
 
 
-def _run_checkpointed(args, prompts: list, options: dict):
+def _computed(stats) -> Computed | None:
+    if stats is None:
+        return None
+    return Computed(stats.prefill_tokens_computed, stats.output_tokens, stats.generate_seconds)
+
+
+def _engine_arguments(args) -> dict[str, Any]:
+    """Where the spark or dask engine runs: partitions, a Dask scheduler, a Spark master."""
+    arguments: dict[str, Any] = {"partitions": args.partitions}
+    if args.scheduler is not None:
+        arguments["scheduler"] = args.scheduler
+    if args.master is not None:
+        arguments["master"] = args.master
+    return arguments
+
+
+def _run_checkpointed(args, prompts: list, options: dict, constraints: list | None = None):
     """``generate`` chunk by chunk, each finished chunk saved in the checkpoint folder;
     chunks already there are not run again."""
     from llm_operator.cli.checkpoint import Checkpoint, fingerprint
     from llm_operator.cli.engines import generate
 
     started = time.perf_counter()
+    rows = prompts if constraints is None else list(zip(prompts, constraints))
     checkpoint = Checkpoint(
         args.checkpoint,
-        job=fingerprint(args.model, options, prompts),
+        job=fingerprint(args.model, options, rows),
         rows=len(prompts),
         chunk_rows=args.checkpoint_rows,
     )
@@ -190,15 +340,19 @@ def _run_checkpointed(args, prompts: list, options: dict):
     if done:
         print(f"checkpoint: {done} of {len(checkpoint.chunks())} chunks done already")
     for start, end in missing:
-        results, _, _ = generate(
+        results, _, stats = generate(
             prompts[start:end],
             engine=args.engine,
             model=args.model,
-            partitions=args.partitions,
+            constraints=None if constraints is None else constraints[start:end],
+            **_engine_arguments(args),
             **options,
         )
-        checkpoint.save(start, end, results)
-    return checkpoint.results(), time.perf_counter() - started, None
+        checkpoint.save(start, end, results, _computed(stats))
+    computed = checkpoint.computed()  # every chunk's, those of an earlier run included
+    if computed is not None:
+        computed = Computed(*computed)
+    return checkpoint.results(), time.perf_counter() - started, computed
 
 
 def command_plan(args) -> int:
@@ -208,6 +362,7 @@ def command_plan(args) -> int:
     from llm_operator.prompts.dedupe import dedupe
     from llm_operator.prompts.encode import as_chat
     from llm_operator.prompts.field_order import ArrowStatistics, plan_fields
+    from llm_operator.prompts.options import PromptOptions
     from llm_operator.prompts.table import render_arrow
 
     table, prompts, fields, options, given, deduplicate = _load_prompts(args)
@@ -215,14 +370,28 @@ def command_plan(args) -> int:
     op = LLMOperator(args.model, **chosen["engine"])
     sampling = SamplingParams(**chosen["sampling"])
 
+    wrap = PromptOptions(**chosen["prompt"])  # the defaults of what was not given
+
+    def model_prompts(rows: list) -> list:
+        return as_chat(rows, chat=wrap.chat, system=wrap.system, chat_template=op.has_chat_template)
+
     def plan_of(rows: list):
         if deduplicate:
             rows = dedupe(rows)[0]
-        return op.plan(as_chat(rows, **chosen["prompt"]), sampling)
+        return op.plan(model_prompts(rows), sampling)
 
+    example = _example_prompt(op, model_prompts(prompts))
+    if not args.json and example is not None:
+        row, text = example
+        print(f"the prompt of row {row} as the model sees it:\n{text}\n")
     if given is None or not given.movable:  # one order only
         plan = plan_of(prompts)
-        print(json.dumps(plan.stats.as_dict(), indent=2) if args.json else plan.report())
+        if args.json:
+            report = plan.stats.as_dict()
+            report["example_prompt"] = None if example is None else example[1]
+            print(json.dumps(report, indent=2))
+        else:
+            print(plan.report())
         return 0
     if fields is None:  # the statistics of both orders, even when the run keeps the given one
         fields = plan_fields(given, ArrowStatistics(table, given))
@@ -254,6 +423,16 @@ def command_plan(args) -> int:
     if given:
         print(f"\nprefill tokens, chosen / given order: {best:,} / {given:,} = {best / given:.2f}")
     return 0
+
+
+def _example_prompt(op, prompts: list) -> tuple[int, str] | None:
+    """(row, text) of the first row that runs, exactly as the model gets it: its token
+    ids decoded (chat template, special tokens and all)."""
+    for row, prompt in enumerate(prompts[:100]):
+        ids = op.tokenize([prompt])[0]
+        if ids is not None:
+            return row, op.tokenizer.decode(ids)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,11 +27,24 @@ def table_format(path: Path) -> str:
     return fmt
 
 
-def read_table(path: str | Path) -> pa.Table:
+def read_table(path: str | Path, encoding: str | None = None) -> pa.Table:
+    """The table in ``path``. ``encoding``: the text encoding of a CSV or JSONL file
+    (default UTF-8; ``latin-1``, ``cp1252``, ...); Parquet text is always UTF-8."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"input file {str(path)!r} does not exist")
     fmt = table_format(path)
+    if encoding is not None:
+        import codecs
+
+        if fmt == "parquet":
+            raise ValueError("--encoding is for CSV and JSONL files; Parquet text is UTF-8")
+        try:
+            encoding = codecs.lookup(encoding).name
+        except LookupError:
+            raise ValueError(
+                f"unknown encoding {encoding!r} (try utf-8, latin-1, cp1252, utf-16)"
+            ) from None
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
@@ -39,10 +52,49 @@ def read_table(path: str | Path) -> pa.Table:
     if fmt == "csv":
         import pyarrow.csv as pacsv
 
-        return pacsv.read_csv(path)
+        options = pacsv.ReadOptions(encoding=encoding or "utf8")
+        return pacsv.read_csv(path, read_options=options)
     import pyarrow.json as pajson
 
-    return pajson.read_json(path)
+    if encoding is None or encoding == "utf-8":
+        return pajson.read_json(path)
+    import io
+
+    try:  # pyarrow reads UTF-8 JSON only: transcode
+        text = path.read_bytes().decode(encoding)
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{str(path)!r} is not {encoding} text: {error}") from None
+    return pajson.read_json(io.BytesIO(text.encode("utf-8")))
+
+
+def first_bytes_not_utf8(
+    table: pa.Table, columns: Sequence[str]
+) -> tuple[str, int, int, int] | None:
+    """(column, row, byte offset in the value, the byte) of the first value of ``columns``
+    that is not UTF-8 text (a CSV column pyarrow read as binary), or None."""
+    for name in columns:
+        if name not in table.column_names:
+            continue
+        kind = table.schema.field(name).type
+        if not (pa.types.is_binary(kind) or pa.types.is_large_binary(kind)):
+            continue
+        for row, value in enumerate(table.column(name).to_pylist()):
+            if value is None:
+                continue
+            try:
+                value.decode("utf-8")
+            except UnicodeDecodeError as error:
+                return name, row, error.start, value[error.start]
+    return None
+
+
+def not_utf8_message(path: Path, found: tuple[str, int, int, int]) -> str:
+    column, row, offset, byte = found
+    return (
+        f"{str(path)!r} is not UTF-8: column {column!r}, row {row}, holds byte 0x{byte:02X} "
+        f"at byte {offset} of its value; give the file's encoding with --encoding "
+        "(for example --encoding latin-1 or --encoding cp1252)"
+    )
 
 
 def write_table(table: pa.Table, path: str | Path) -> None:
@@ -88,7 +140,18 @@ def prompts_from_table(table: pa.Table, *, prompt_col: str) -> list:
             f"build prompts from it with --template '... {{{prompt_col}}} ...' or --columns "
             f"{prompt_col}"
         )
-    return table.column(prompt_col).to_pylist()
+    values = table.column(prompt_col).to_pylist()
+    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+        # one value that is not UTF-8 makes the whole CSV column binary: the rest is text
+        values = [_text_or_bytes(v) if isinstance(v, bytes) else v for v in values]
+    return values
+
+
+def _text_or_bytes(value: bytes) -> str | bytes:
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return value  # the row's error says where (prompts.encode)
 
 
 def add_result_columns(

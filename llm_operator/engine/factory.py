@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-from llm_operator.config import EngineConfig, physical_memory_bytes
+from llm_operator.config import EngineConfig, check_single_gpu, physical_memory_bytes
 from llm_operator.models.info import ModelInfo
 
 
@@ -31,13 +31,13 @@ def build_backend(config: EngineConfig, info: ModelInfo, tokenizer):
         from llm_operator.engine.vllm.backend import VLLMBackend
 
         return VLLMBackend(str(info.path), tokenizer, config, max_context=info.max_context)
+    check_single_gpu(config, name)
     from llm_operator.models import resolve_device, resolve_dtype
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    kv_cache_bytes = config.kv_cache_bytes or auto_kv_cache_bytes(device)
     if name == "native":
-        return _native(config, info, tokenizer, device, dtype, kv_cache_bytes)
+        return _native(config, info, tokenizer, device, dtype)
     from llm_operator.engine.hf.backend import HFBackend
     from llm_operator.models import load_causal_lm
 
@@ -45,10 +45,17 @@ def build_backend(config: EngineConfig, info: ModelInfo, tokenizer):
         model = load_causal_lm(
             info.path, device=device, dtype=dtype, trust_remote_code=config.trust_remote_code
         )
-    return HFBackend(model, tokenizer, config, kv_cache_bytes=kv_cache_bytes)
+    return HFBackend(model, tokenizer, config, kv_cache_bytes=kv_budget(config, device))
 
 
-def _native(config: EngineConfig, info: ModelInfo, tokenizer, device, dtype, kv_cache_bytes):
+def kv_budget(config: EngineConfig, device: torch.device) -> int:
+    """The KV cache bytes of an engine on ``device``: ``kv_cache_memory``, or for "auto"
+    ``auto_kv_cache_bytes`` (call it once the model is loaded: on CUDA it reads what is
+    free then)."""
+    return config.kv_cache_bytes or auto_kv_cache_bytes(device, share=config.gpu_share)
+
+
+def _native(config: EngineConfig, info: ModelInfo, tokenizer, device, dtype):
     from llm_operator import kernels
     from llm_operator.engine.native.backend import NativeBackend
     from llm_operator.models.llama import LlamaModel
@@ -64,14 +71,38 @@ def _native(config: EngineConfig, info: ModelInfo, tokenizer, device, dtype, kv_
         num_kv_heads=heads.num_kv_heads,
         head_dim=heads.head_dim,
     )
-    return NativeBackend(model, config, kv_cache_bytes=kv_cache_bytes)
+    return NativeBackend(model, config, kv_cache_bytes=kv_budget(config, device))
 
 
-def auto_kv_cache_bytes(device: torch.device) -> int:
-    """A quarter of RAM on CPU (at most 8 GiB); 80% of free memory on CUDA."""
+AUTO_KV_FRACTION = 0.8  # of the GPU memory an auto-sized KV cache may take
+
+
+def auto_kv_cache_bytes(device: torch.device, share: float | None = None) -> int:
+    """A quarter of RAM on CPU (at most 8 GiB); on CUDA 80% of the memory free now (call
+    it after the model loaded: the weights are not free).
+
+    share: the part of the GPU this engine may count on when it shares the GPU with other
+    processes (Spark's fractional ``spark.task.resource.gpu.amount``, several Dask workers
+    per GPU): the budget is then 80% of the smaller of what is free and ``share`` of the
+    GPU's memory less what this process holds already (its weights, cached blocks), so
+    the tenants of one GPU, each counting on its own share, fit together whichever
+    starts first. ValueError when the process holds its whole share already.
+    """
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.8)
+        free, total = torch.cuda.mem_get_info(device)
+        room = free
+        if share is not None and share < 1:
+            held = torch.cuda.memory_reserved(device)
+            room = min(free, int(total * share) - held)
+            if room <= 0:
+                raise ValueError(
+                    f"no GPU memory left for the KV cache on {device}: this process holds "
+                    f"{held / 2**30:.2f} GiB (the model), its share is {share:g} of "
+                    f"{total / 2**30:.2f} GiB (gpu_share; on Spark "
+                    "spark.task.resource.gpu.amount); give it a larger share or set "
+                    "kv_cache_memory"
+                )
+        return int(room * AUTO_KV_FRACTION)
     return min(physical_memory_bytes() // 4, 8 * 2**30)
 
 

@@ -31,7 +31,8 @@ class Request:
     """A planned request's state: what it samples with, what it has produced."""
 
     __slots__ = (
-        "planned", "params", "generator", "decoder", "constraint", "forced", "logprob", "output"
+        "planned", "params", "generator", "decoder", "constraint", "forced", "logprob", "output",
+        "jumped",
     )  # fmt: skip
 
     def __init__(
@@ -51,6 +52,7 @@ class Request:
         self.forced = forced  # scoring requests: the tokens to feed (and score) instead
         self.logprob = 0.0  # unconstrained log-probability of the tokens so far
         self.output: RequestOutput | None = None
+        self.jumped: list[int] = []  # tokens jump-forward appended after the last sample
 
     @property
     def special(self) -> bool:
@@ -116,7 +118,7 @@ class Run:
         self.unanswered = len(self.requests)
         self.prefill_tokens = 0  # prompt tokens run through the model (backends add to it)
         self.output_tokens = 0
-        self.forced_tokens = 0  # tokens appended without a model step (choices jump-forward)
+        self.forced_tokens = 0  # output tokens appended without sampling (jump-forward)
 
     @property
     def done(self) -> bool:
@@ -151,8 +153,13 @@ class Run:
         return tokens
 
     def append(self, request_id: int, token: int) -> bool:
-        """Add a generated token; True when the request has finished (its output is set)."""
+        """Add a sampled token; True when the request has finished (its output is set).
+
+        A constrained row may then have tokens appended without sampling (jump-forward,
+        ``jumped``): the backend feeds them to the model with ``token`` before the row's
+        next sample."""
         request = self.requests[request_id]
+        request.jumped = []
         self.output_tokens += 1
         finished = request.decoder.append(token)
         if request.constraint is not None:
@@ -160,24 +167,46 @@ class Run:
             if not finished:
                 finished = self._jump_forward(request)
         if not finished:
-            self._report(0, 1)
+            self._report(0, 1 + len(request.jumped))
             return False
-        self._set(request, self._output(request), new_tokens=1)
+        self._set(request, self._output(request), new_tokens=1 + len(request.jumped))
         return True
 
+    def jumped(self, request_id: int) -> list[int]:
+        """The tokens jump-forward appended after the request's last sampled token (already
+        in its output): the backend computes them, after that token, before sampling the
+        row again (in one step where it can, like a small prefill chunk)."""
+        return self.requests[request_id].jumped
+
     def _jump_forward(self, request: Request) -> bool:
-        """End a constrained row whose remaining tokens are decided (all of a choice's
-        tokens, or a grammar's end): append them without model steps. Not with logprobs:
-        every returned token is then scored by a step."""
-        tokens = request.constraint.remaining()
+        """Append the tokens a constrained row's constraint forces, without sampling; True
+        when the row then ends. Not with logprobs: every returned token is then scored by
+        a step (only a finished grammar, which needs no token, still ends the row).
+
+        - decided to the end (all of a choice's tokens, a grammar's end): the row ends;
+        - forced inside (``constraint.forced``: a lone trie child, the grammar's forced
+          text): the tokens go through the stop rules one by one (``max_tokens`` cuts
+          them), then the row samples on, or ends if it is decided."""
+        constraint, decoder = request.constraint, request.decoder
+        if not request.params.logprobs:
+            room = decoder.max_tokens - len(decoder.token_ids)
+            for token in constraint.forced(room):
+                request.jumped.append(token)
+                self.forced_tokens += 1
+                self.output_tokens += 1
+                finished = decoder.append(token)
+                constraint.accept(token)
+                if finished:
+                    return True
+        tokens = constraint.remaining()
         if tokens is None or (tokens and request.params.logprobs):
             return False
-        decoder = request.decoder
         room = decoder.max_tokens - len(decoder.token_ids)
         appended = tokens[:room]
         decoder.token_ids.extend(appended)
         decoder.finish_reason = "stop" if len(appended) == len(tokens) else "length"
         request.constraint.complete(appended if len(appended) == len(tokens) else [])
+        request.jumped.extend(appended)
         self.forced_tokens += len(appended)
         self.output_tokens += len(appended)
         return True
@@ -235,7 +264,9 @@ class Run:
         assert request.output is None, f"request {request.request_id} answered twice"
         request.output = output
         self.unanswered -= 1
-        self._report(len(request.planned.rows), new_tokens)
+        # a scoring request (a choice fed to score it) finishes no row of the user's
+        rows = 0 if request.forced is not None else len(request.planned.rows)
+        self._report(rows, new_tokens)
 
     def _report(self, finished_rows: int, new_tokens: int) -> None:
         if self.progress is not None:

@@ -13,6 +13,7 @@ reuses the old one.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -111,8 +112,44 @@ def convert_gguf_cached(
     convert = converter if converter is not None else convert_gguf_to_directory
     final_dir = converted_directory_for(gguf_path, cache_dir)
     if not is_complete_model_directory(final_dir):
+        ensure_writable_cache(cache_dir)  # a read-only cache still serves finished entries
         logger.warning("converting %s to %s (done once, then cached)", gguf_path, final_dir)
     return publish_directory(final_dir, lambda output_dir: convert(gguf_path, output_dir))
+
+
+def ensure_writable_cache(cache_dir: Path) -> None:
+    """Create `cache_dir`/converted if needed and check a file can be written there.
+
+    Raises NotADirectoryError (the folder or a parent is a file), PermissionError (not
+    writable: permissions or a read-only file system) or OSError, each naming the
+    folder and LLM_OPERATOR_CACHE, instead of a bare error from deep in a conversion.
+    """
+    from llm_operator.models.registry import CACHE_ENV_VAR
+
+    folder = Path(cache_dir) / CONVERTED_SUBDIR
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        from_env = os.environ.get(CACHE_ENV_VAR, "").strip()
+        origin = (
+            f"it comes from {CACHE_ENV_VAR}={from_env}"
+            if from_env and Path(from_env).expanduser() == Path(cache_dir)
+            else f"it comes from the cache_dir option, else {CACHE_ENV_VAR}, else "
+            f"~/.cache/llm-operator"
+        )
+        if isinstance(error, (NotADirectoryError, FileExistsError)):
+            problem, kind = "is not a directory (it or a parent is a file)", NotADirectoryError
+        elif isinstance(error, PermissionError) or error.errno == errno.EROFS:
+            problem, kind = "is not writable", PermissionError
+        else:
+            problem, kind = "cannot be used", OSError
+        raise kind(
+            f"the model cache folder {str(cache_dir)!r} {problem}: {error.strerror or error} "
+            f"({origin}). Converted models are written there once. Set {CACHE_ENV_VAR} (or "
+            f"cache_dir=) to a writable folder, e.g. {CACHE_ENV_VAR}=/tmp/llm-operator-cache"
+        ) from error
 
 
 def read_gguf_metadata_field(gguf_path: Path, key: str) -> Any:

@@ -1,32 +1,47 @@
 """Device and dtype choice, and loading a tokenizer and a causal LM from a local directory.
 
 Loading never touches the network (`local_files_only=True`) and never reads
-pickle checkpoints (`use_safetensors=True`).
+pickle checkpoints (`use_safetensors=True`). torch is imported on first use, not with
+this module, so `llm_operator.models` (e.g. the registry's driver-side model check)
+imports without torch.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from llm_operator.models.registry import validate_model_directory
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-DTYPE_NAMES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+# dtype spelling -> torch dtype name (DTYPE_NAMES: the same, to torch dtypes)
+DTYPE_SPELLINGS: dict[str, str] = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
 }
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEVICE_TYPES = ("cpu", "cuda", "mps")
+
+
+def __getattr__(name: str) -> Any:
+    """DTYPE_NAMES (spelling -> torch dtype) and SUPPORTED_DTYPES, made on first use."""
+    if name == "DTYPE_NAMES":
+        import torch
+
+        return {spelling: getattr(torch, n) for spelling, n in DTYPE_SPELLINGS.items()}
+    if name == "SUPPORTED_DTYPES":
+        import torch
+
+        return tuple(getattr(torch, n) for n in SUPPORTED_DTYPE_NAMES)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -36,6 +51,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
     "cuda" becomes "cuda:<current device>". Raises TypeError for other types and
     ValueError for unknown or unavailable devices.
     """
+    import torch
+
     if isinstance(device, str):
         text = device.strip().lower()
         if text == "auto":
@@ -83,9 +100,12 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     Also accepts "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16"/"half" and
     those torch dtypes. Raises TypeError for other types, ValueError for other values.
     """
+    import torch
+
+    supported = tuple(getattr(torch, name) for name in SUPPORTED_DTYPE_NAMES)
     if isinstance(dtype, torch.dtype):
-        if dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
+        if dtype not in supported:
+            raise ValueError(f"dtype={dtype!r} is not supported; use one of {supported}")
         return dtype
     if not isinstance(dtype, str):
         raise TypeError(
@@ -96,11 +116,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.float32
-    if text not in DTYPE_NAMES:
+    if text not in DTYPE_SPELLINGS:
         raise ValueError(
-            f"dtype={dtype!r} is not supported; use 'auto' or one of {sorted(DTYPE_NAMES)}"
+            f"dtype={dtype!r} is not supported; use 'auto' or one of {sorted(DTYPE_SPELLINGS)}"
         )
-    return DTYPE_NAMES[text]
+    return getattr(torch, DTYPE_SPELLINGS[text])
 
 
 def _require_directory(model_dir: Path, parameter: str = "model_dir") -> Path:
@@ -153,6 +173,7 @@ def load_causal_lm(
     The directory is validated first (`registry.validate_model_directory`), so
     pickle checkpoints and unrequested remote code are refused with ValueError.
     """
+    import torch
     from transformers import AutoModelForCausalLM
 
     model_dir = _require_directory(model_dir)

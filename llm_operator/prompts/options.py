@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from llm_operator.option_fields import (
     boolean,
+    chat_mode,
     check_fields,
     cli_text,
     distinct_strings,
@@ -27,8 +28,12 @@ from llm_operator.option_fields import (
 class PromptOptions:
     """How each row's value (or columns) becomes a prompt."""
 
-    chat: bool = option(
-        False, doc="send each prompt as a user chat message", check=boolean, cli="flag"
+    chat: bool | str = option(
+        "auto",
+        doc="send each prompt as a user chat message, through the model's chat template; "
+        '"auto": when the model has a chat template (instruct models), else as raw text',
+        check=chat_mode,
+        cli="flag",
     )
     system: str | None = option(
         None,

@@ -4,7 +4,8 @@ Each iteration (``_HFSteps.step``):
   1. admit: waiting requests fill free row slots (as many as ``max_batch_size``
      and the KV budget allow); each is prefilled separately from a copy of its
      shared prefix's K/V, then its K/V are written into a free row of the batch;
-  2. decode: one forward pass over the running rows;
+  2. decode: one forward pass over the running rows (one column each; where a constrained
+     row has jump-forward tokens to feed, as many columns as the most a row feeds);
   3. retire: rows that hit EOS, a stop string or their length free their slots.
 A group's shared prefix (each segment of its chain) is prefilled once and kept
 until its last member has been admitted.
@@ -84,13 +85,14 @@ class HFBackend:
 
 
 class _Row:
-    """A request in the batch: its state and the token to feed next."""
+    """A request in the batch: its state and the tokens to feed next (the sampled token,
+    then any jump-forward tokens)."""
 
-    __slots__ = ("request", "pending_token")
+    __slots__ = ("request", "pending")
 
     def __init__(self, request: Request) -> None:
         self.request = request
-        self.pending_token = -1
+        self.pending: list[int] = []
 
 
 class _HFSteps:
@@ -233,16 +235,18 @@ class _HFSteps:
 
     # -- decoding --------------------------------------------------------
     def decode(self) -> None:
-        batch = self.batch
-        tokens = torch.tensor(
-            [
-                row.pending_token if row is not None else self.backend.pad_token_id
-                for row in self.slots
-            ],
-            dtype=torch.long,
-        )
-        cache, mask, positions = batch.prepare_decode()
-        logits, _ = self.backend.forward(tokens.unsqueeze(1), mask, positions, cache)
+        """One forward pass over the running rows: one column each, or as many as the
+        longest pending (a row's sampled token and its jump-forward tokens, right-aligned,
+        with masked holes left of a shorter row's tokens)."""
+        batch, pad = self.batch, self.backend.pad_token_id
+        pending = [row.pending if row is not None else [pad] for row in self.slots]
+        counts = [len(p) for p in pending]
+        width = max(counts)
+        tokens = torch.full((len(pending), width), pad, dtype=torch.long)
+        for i, p in enumerate(pending):
+            tokens[i, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+        cache, mask, positions = batch.prepare_decode(counts if width > 1 else None)
+        logits, _ = self.backend.forward(tokens, mask, positions, cache)
         batch.finish_decode()
         live = [i for i, row in enumerate(self.slots) if row is not None]
         index = torch.tensor(live, dtype=torch.long)
@@ -258,8 +262,10 @@ class _HFSteps:
 
     def _append_token(self, row: _Row, token: int) -> bool:
         """Record the token (the run applies the stop rules); True when the row finished."""
-        row.pending_token = token
-        return self.run.append(row.request.request_id, token)
+        request_id = row.request.request_id
+        finished = self.run.append(request_id, token)
+        row.pending = [token, *self.run.jumped(request_id)]
+        return finished
 
     def _retire(self, slots: list[int]) -> None:
         """Free the slots of finished rows (their outputs are in the run already)."""

@@ -88,6 +88,7 @@ class DenseBatchCache:
         self.mask = mask.clone()
         self.positions = positions.clone()
         self.layers = [_BufferLayer(k.clone(), v.clone(), self) for k, v in layers]
+        self._new, self._counts = 1, None  # the step in flight (prepare_decode)
         self._zero_padding(slice(None))
 
     # -- shape -----------------------------------------------------------
@@ -108,18 +109,39 @@ class DenseBatchCache:
         return self.time - first
 
     # -- the forward pass ------------------------------------------------
-    def prepare_decode(self) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
-        """Room for one more column; returns (cache, attention mask [rows, time + 1], position ids [rows, 1])."""
-        self._ensure_room(1)
-        self.mask[:, self.length] = True
+    def prepare_decode(
+        self, counts: list[int] | None = None
+    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+        """Room for the step's new columns: one per row, or ``counts[row]`` tokens per row
+        (a row's sampled token and its jump-forward tokens), right-aligned in
+        ``max(counts)`` columns with holes (mask False) left of a shorter row's tokens.
+        Returns (cache, attention mask [rows, time + new], position ids [rows, new])."""
+        new = max(counts) if counts else 1
+        self._ensure_room(new)
+        columns = slice(self.length, self.length + new)
+        if new == 1:
+            self.mask[:, self.length] = True
+            positions = self.positions.unsqueeze(1)
+        else:
+            count = torch.as_tensor(counts, dtype=torch.long, device=self.mask.device)
+            offsets = torch.arange(new, device=self.mask.device) - (new - count).unsqueeze(1)
+            self.mask[:, columns] = offsets >= 0
+            positions = self.positions.unsqueeze(1) + offsets.clamp(min=0).to(self.positions)
+        self._new = new
+        self._counts = counts
         cache = DynamicCache()
         cache.layers = list(self.layers)
-        return cache, self.mask[:, self.start : self.length + 1], self.positions.unsqueeze(1)
+        return cache, self.mask[:, self.start : self.length + new], positions
 
     def finish_decode(self) -> None:
-        """The forward pass wrote one column; advance."""
-        self.length += 1
-        self.positions += 1
+        """The forward pass wrote the step's columns; advance."""
+        new, counts = self._new, self._counts
+        self.length += new
+        if counts is None or new == 1:
+            self.positions += 1
+        else:
+            self.positions += torch.as_tensor(counts, dtype=self.positions.dtype)
+        self._new, self._counts = 1, None
         self._refresh()
 
     # -- rows ------------------------------------------------------------

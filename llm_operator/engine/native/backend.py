@@ -9,7 +9,9 @@ One iteration (``_NativeSteps.step``) is three calls, nano-vllm style:
      (on a CPU with every projection packed, the compiled decoder runs all layers in one
      C++ call: ``models.cpu_decoder.CompiledDecoder``);
   3. sample the rows that reached their last token (``Run.sample``), hand each token to the
-     run (``Run.append`` applies the stop rules), then ``finish`` or ``append_token``.
+     run (``Run.append`` applies the stop rules), then ``finish`` or ``append_token``; a
+     constrained row's jump-forward tokens (``Run.jumped``) go in with the sampled token,
+     so its next step computes them all as one chunk (a small prefill) and samples once.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ class RunProfile:
     preemptions: int = 0
     segment_evictions: int = 0
     max_running: int = 0
+    decode_tokens: int = 0  # one-token decode chunks run (SchedulerStats)
+    jump_chunk_tokens: int = 0  # sampled + jump-forward tokens run as one chunk (SchedulerStats)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -304,8 +308,8 @@ class _NativeSteps:
             for chunk, request_id, token in zip(sampled, ids, sample(logits, ids)):
                 if run.append(request_id, token):
                     scheduler.finish(chunk.seq)
-                else:
-                    scheduler.append_token(chunk.seq, token)
+                else:  # with any tokens jump-forward appended: the next step computes them
+                    scheduler.append_token(chunk.seq, token, run.jumped(request_id))
         for request_id, message in scheduler.rejected[self.reported :]:
             run.fail(request_id, message)
         self.reported = len(scheduler.rejected)
@@ -327,3 +331,5 @@ class _NativeSteps:
         profile.preemptions = stats.preemptions
         profile.segment_evictions = stats.segment_evictions
         profile.max_running = stats.max_running
+        profile.decode_tokens = stats.decode_tokens
+        profile.jump_chunk_tokens = stats.jump_chunk_tokens

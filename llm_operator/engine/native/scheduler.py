@@ -81,7 +81,11 @@ class SchedulerStats:
     iterations: int = 0
     preemptions: int = 0
     prefill_tokens: int = 0  # own tokens computed by non-decode chunks, recomputes included
+    # (not the jump chunks' tokens below)
     decode_tokens: int = 0
+    # generated tokens computed the first time by a non-decode chunk: a sampled token and
+    # the jump-forward tokens after it (``append_token(seq, token, forced)``)
+    jump_chunk_tokens: int = 0
     max_running: int = 0  # most requests running at once
     segment_evictions: int = 0  # last-resort unpinning of segments nobody running reads
 
@@ -208,16 +212,27 @@ class Scheduler:
             if chunk.is_decode:
                 self.stats.decode_tokens += 1
             else:
-                self.stats.prefill_tokens += chunk.length
+                # a sampled token and its jump-forward tokens, computed the first time
+                first = max(chunk.start, seq.prompt_length, seq.peak)
+                jump = max(0, min(seq.num_computed, seq.jump_end) - first)
+                self.stats.jump_chunk_tokens += jump
+                self.stats.prefill_tokens += chunk.length - jump
+            seq.peak = max(seq.peak, seq.num_computed)
             if seq.kind is SEGMENT and seq.num_computed == len(seq.tokens):
                 seq.status = READY
                 self._running.remove(seq)
 
-    def append_token(self, seq: KVSequence, token_id: int) -> None:
-        """Add a sampled token to a request whose own tokens are all computed."""
+    def append_token(self, seq: KVSequence, token_id: int, forced: Iterable[int] = ()) -> None:
+        """Add a sampled token to a request whose own tokens are all computed, and after it
+        the ``forced`` tokens (jump-forward): the next iteration then computes them all as
+        one chunk (in the prefill part, within the budget) and samples after the last."""
         assert seq.kind is REQUEST and seq.status == RUNNING, f"request {seq.ref} not running"
         assert seq.num_computed == len(seq.tokens), f"request {seq.ref} was not sampled"
         seq.tokens.append(int(token_id))
+        before = len(seq.tokens)
+        seq.tokens.extend(int(token) for token in forced)
+        if len(seq.tokens) > before:
+            seq.jump_end = len(seq.tokens)
 
     def finish(self, seq: KVSequence) -> None:
         """A running request is done: free its blocks and unpin segments it was last to need."""

@@ -45,6 +45,8 @@ class KVSequence:
     arrival: int  # admission order, renewed on re-admission; -1 before the first
     prompt_length: int  # own prompt tokens; tokens[prompt_length:] were generated
     status: Status = WAITING
+    peak: int = 0  # the most own tokens ever computed (a preempted request recomputes below)
+    jump_end: int = 0  # own tokens up to the last jump-forward token appended (0: none)
 
     @classmethod
     def waiting(cls, seq_id: int, kind: Kind, ref: int, chain: tuple[int, ...], prefix_length: int,

@@ -123,7 +123,8 @@ class VLLMBackend:
         max_context: int,
     ) -> None:
         """engine_config: its ``dtype``, ``kv_cache_memory``, ``max_batch_size`` (vLLM's
-        ``max_num_seqs``), ``trust_remote_code`` and ``vllm_options`` apply here.
+        ``max_num_seqs``), ``trust_remote_code``, ``tensor_parallel_size``,
+        ``pipeline_parallel_size``, ``gpu_share`` and ``vllm_options`` apply here.
         max_context: the model's context length (caps ``max_model_len``)."""
         require_vllm()
         self.model_path = str(model_path)
@@ -146,6 +147,9 @@ class VLLMBackend:
             kv_cache_bytes=config.kv_cache_bytes,
             trust_remote_code=config.trust_remote_code,
             max_num_seqs=config.max_batch_size,
+            tensor_parallel_size=config.tensor_parallel_size,
+            pipeline_parallel_size=config.pipeline_parallel_size,
+            gpu_share=config.gpu_share,
             options=dict(config.vllm_options),
         )
         if kwargs.get("max_model_len") is None:

@@ -79,6 +79,7 @@ GPU_MAX_BATCHED_TOKENS = 8192
 FIT_TO_KV_MEMORY = -1  # vLLM's max_model_len: the model's context, cut to what its KV cache holds
 # when the block size is vLLM's choice: the largest it picks, so the fit never overshoots
 UNKNOWN_BLOCK_SIZE = 256
+VLLM_GPU_MEMORY_UTILIZATION = 0.9  # about vLLM's default share of a GPU (0.9 to 0.92 by version)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}  # auto: bf16/fp16 on GPU
 
 
@@ -130,11 +131,17 @@ def llm_kwargs(
     trust_remote_code: bool = False,
     batch_job: bool = True,
     max_num_seqs: int = EngineConfig.max_batch_size,
+    tensor_parallel_size: int | None = None,
+    pipeline_parallel_size: int | None = None,
+    gpu_share: float | None = None,
     options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` (module doc); ``options`` override every default.
 
     max_model_len: None leaves it out (``engine_max_model_len`` sizes it from the result).
+    tensor_parallel_size, pipeline_parallel_size: vLLM's (None leaves them to vLLM).
+    gpu_share: the part of a shared GPU the engine counts on (below 1, with no
+    ``kv_cache_bytes``): vLLM's ``gpu_memory_utilization`` becomes that part of its 0.9.
     """
     cpu = on_cpu()
     kwargs: dict[str, Any] = dict(
@@ -151,6 +158,12 @@ def llm_kwargs(
     if kv_cache_bytes is not None:
         # any device; on CPU an already-set VLLM_CPU_KVCACHE_SPACE overrides it
         kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+    elif gpu_share is not None and gpu_share < 1 and not cpu:
+        kwargs["gpu_memory_utilization"] = round(VLLM_GPU_MEMORY_UTILIZATION * gpu_share, 4)
+    if tensor_parallel_size is not None:
+        kwargs["tensor_parallel_size"] = int(tensor_parallel_size)
+    if pipeline_parallel_size is not None:
+        kwargs["pipeline_parallel_size"] = int(pipeline_parallel_size)
     if batch_job:
         batched = CPU_MAX_BATCHED_TOKENS if cpu else GPU_MAX_BATCHED_TOKENS
         kwargs.update(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(batched, max_num_seqs))
