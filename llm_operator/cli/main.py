@@ -17,7 +17,9 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 def _add_model_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", default=DEFAULT_MODEL, help="alias, Hugging Face model directory or .gguf file"
+        "--model",
+        default=DEFAULT_MODEL,
+        help="alias, Hugging Face model directory, .gguf file or Hub id (org/name)",
     )
 
 
@@ -48,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine",
         default="local",
         choices=["local", "spark", "dask"],
-        help="run in this process, on Spark (local mode) or on Dask",
+        help="run in this process, on Spark (local mode, or --master) or on Dask (--scheduler)",
     )
     run.add_argument("--partitions", type=int, default=2, help="partitions for spark and dask")
     run.add_argument(
