@@ -199,14 +199,15 @@ def _infer_partition(
     label = "dask partition"
     if partition_info is not None:
         label = f"dask partition {partition_info['number']}"
-    if _on_distributed_worker():
+    from llm_operator.integrations.devices import current_dask_worker, dask_worker_device
+
+    if current_dask_worker() is not None:
         show_worker_logs()  # one line per partition in the worker's log, as Spark's executors
-    from llm_operator.integrations.devices import dask_worker_device
 
     device = dask_worker_device(options.engine.device)  # None: the option's device
     extra: dict[str, Any] = {}
     parsed = None
-    constraint_col = getattr(options, "constraint_col", None)  # (stand-ins may lack it)
+    constraint_col = options.constraint_col
     if constraint_col is not None:  # each row's constraint, from its column
         extra["constraints"] = frame[constraint_col[1]].tolist()
         if constraint_col[0] == "json_schema":  # parse only rows given a schema
@@ -214,18 +215,6 @@ def _infer_partition(
     results = run_partition(frame[col].tolist(), options, device=device, label=label, **extra)
     records = result_records(results, value_type, parsed)
     return _with_results(frame, records, output, value_type is not None)
-
-
-def _on_distributed_worker() -> bool:
-    try:
-        from distributed import get_worker
-    except ImportError:
-        return False
-    try:
-        get_worker()
-    except ValueError:  # not inside a distributed worker's task
-        return False
-    return True
 
 
 def _with_results(

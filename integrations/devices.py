@@ -228,6 +228,17 @@ def _name_order(name: Any) -> tuple:
     return (1, 0, str(name))
 
 
+def current_dask_worker() -> Any:
+    """The distributed Worker running this task, or None (no distributed, or not inside a
+    worker's task)."""
+    try:
+        from distributed import get_worker
+
+        return get_worker()
+    except (ImportError, ValueError):
+        return None
+
+
 def dask_worker_device(device_option: str, environ: Mapping[str, str] | None = None) -> str | None:
     """``worker_placement`` for the Dask worker running this task (None, the option's
     device, where it is explicit, without CUDA, or outside a distributed worker)."""
@@ -236,12 +247,7 @@ def dask_worker_device(device_option: str, environ: Mapping[str, str] | None = N
     count = gpu_count()
     if count < 1:
         return None
-    try:
-        from distributed import get_worker
-
-        worker = get_worker()
-    except (ImportError, ValueError):  # no distributed, or not in a worker's task
-        worker = None
+    worker = current_dask_worker()
     visible = visible_devices(environ)
     state = getattr(worker, "state", None)
     resources = dict(getattr(state, "total_resources", None) or {})

@@ -27,7 +27,7 @@ from typing import Any
 from llm_operator import options as option_table
 from llm_operator.config import EngineConfig
 from llm_operator.integrations.json_values import ValueType, parse_value, value_type
-from llm_operator.prompts.dedupe import dedupe
+from llm_operator.prompts.dedupe import dedupe, distinct_with
 from llm_operator.prompts.encode import as_chat
 from llm_operator.prompts.options import PromptOptions
 from llm_operator.prompts.table import TablePrompt, table_options
@@ -124,14 +124,10 @@ def make_options(
         constraint_col=constraint_column(sampling, given_cols),
     )
     # A Hub id ("org/name", not a path here) must be in the Hub cache or on the Hub before
-    # any job starts (registry.check_model_available; no weights are downloaded). Aliases
-    # and paths are checked where the model loads (an alias's package or a model folder may
-    # exist only on the workers), and so the driver imports no torch for them.
-    if isinstance(model, str) and model.strip().count("/") == 1:
-        if not os.path.exists(os.path.expanduser(model.strip())):
-            from llm_operator.models.registry import check_model_available
+    # any job starts; aliases and paths are checked where the model loads (no torch here)
+    from llm_operator.models.registry import check_model_available
 
-            check_model_available(model, checked.engine.revision)
+    check_model_available(model, checked.engine.revision)
     return checked
 
 
@@ -343,7 +339,8 @@ def run_partition(
     if options.dedupe:
         distinct, positions = dedupe(values)
         if sampling is not None:  # a distinct row is a distinct (prompt, constraint)
-            firsts, positions = _distinct_rows(positions, sampling)
+            # rows of equal constraint values share one SamplingParams (row_sampling)
+            firsts, positions = distinct_with(positions, [id(s) for s in sampling])
             distinct, sampling = [values[i] for i in firsts], [sampling[i] for i in firsts]
     lock = _partition_lock(operator)
     with lock:  # one generate at a time per engine (threaded workers share it)
@@ -379,24 +376,6 @@ def run_partition(
         100 * stats.saving_ratio,
     )
     return results
-
-
-def _distinct_rows(
-    prompt_positions: Sequence[int], sampling: Sequence[Any]
-) -> tuple[list[int], list[int]]:
-    """(the first row of each distinct (prompt, constraint), each row's index into those):
-    ``prompt_positions`` from ``dedupe``; rows of equal constraint values share one
-    ``sampling`` object (``row_sampling``)."""
-    index: dict[tuple[int, int], int] = {}
-    firsts: list[int] = []
-    positions: list[int] = []
-    for row, (prompt, params) in enumerate(zip(prompt_positions, sampling)):
-        key = (prompt, id(params))
-        if key not in index:
-            index[key] = len(firsts)
-            firsts.append(row)
-        positions.append(index[key])
-    return firsts, positions
 
 
 def show_worker_logs() -> None:

@@ -234,11 +234,10 @@ def test_dask_partition_runs_on_the_worker_device(monkeypatch):
     monkeypatch.setattr(devices, "gpu_count", lambda: 2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # one GPU per worker: its cuda:0
     empty = pd.DataFrame({"prompt": pd.Series([], dtype=object)})
-    options = SimpleNamespace(engine=EngineConfig())
+    options = SimpleNamespace(engine=EngineConfig(), constraint_col=None)
     llm_dask._infer_partition(empty, "prompt", options, "out")
-    llm_dask._infer_partition(
-        empty, "prompt", SimpleNamespace(engine=EngineConfig(device="cpu")), "out"
-    )
+    explicit = SimpleNamespace(engine=EngineConfig(device="cpu"), constraint_col=None)
+    llm_dask._infer_partition(empty, "prompt", explicit, "out")
     monkeypatch.setattr(devices, "gpu_count", lambda: 0)
     llm_dask._infer_partition(empty, "prompt", options, "out")
     assert calls == ["cuda:0", None, None]

@@ -257,20 +257,13 @@ def _constraint_values(args, table, options: dict) -> tuple[dict, list] | None:
 def _dedupe_rows(prompts: list, constraints: list | None) -> tuple[list, list, list | None]:
     """(each distinct prompt, or (prompt, constraint), once; each row's index into them;
     their constraints)."""
-    from llm_operator.prompts.dedupe import dedupe
+    from llm_operator.prompts.dedupe import dedupe, distinct_with
 
     distinct, positions = dedupe(prompts)
     if constraints is None:
         return distinct, positions, None
-    index: dict[tuple[int, str], int] = {}
-    firsts: list[int] = []
-    rows: list[int] = []
-    for row, (prompt, cell) in enumerate(zip(positions, constraints)):
-        key = (prompt, json.dumps(cell, default=repr))
-        if key not in index:
-            index[key] = len(firsts)
-            firsts.append(row)
-        rows.append(index[key])
+    keys = [json.dumps(cell, default=repr) for cell in constraints]
+    firsts, rows = distinct_with(positions, keys)
     return [prompts[i] for i in firsts], rows, [constraints[i] for i in firsts]
 
 

@@ -271,9 +271,10 @@ def hub_model_directory(repo_id: str, revision: str | None = None) -> Path:
 def check_model_available(model: Any, revision: str | None = None) -> None:
     """A cheap check, on the driver before any job, that a Hub id in `model=` resolves.
 
-    Aliases, paths (existing or not: a path may exist only on the workers) and names
-    that are no Hub id pass unchecked, as do non-strings; what they name is checked
-    where the model loads. A Hub id must be in the local Hub cache (with HF_HUB_OFFLINE
+    Aliases, paths (existing or not: a path may exist only on the workers), bare names
+    (`gpt2`: an alias package or a folder may exist only on the workers) and names that
+    are no Hub id pass unchecked, as do non-strings; what they name is checked where the
+    model loads. Only an `org/name` id that is no existing path is checked here. A Hub id must be in the local Hub cache (with HF_HUB_OFFLINE
     set: its config.json and safetensors weights there) or on the Hub with safetensors
     weights and accessible with the current token. Downloads no weights: at most the
     model's config.json into the Hub cache. Raises ValueError naming the id, the cache
@@ -283,6 +284,8 @@ def check_model_available(model: Any, revision: str | None = None) -> None:
         return
     name = model.strip()
     if not name or name.lower() in KNOWN_MODELS or not looks_like_hub_id(name):
+        return
+    if name.count("/") != 1:  # a bare name: checked where the model loads
         return
     if Path(name).expanduser().exists():
         return

@@ -6,7 +6,7 @@ free inside one ``generate`` call even without ``dedupe``.)"""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 
@@ -27,6 +27,23 @@ def dedupe(values: Sequence[Any]) -> tuple[list[Any], list[int]]:
         else:
             positions.append(index[key])
     return distinct, positions
+
+
+def distinct_with(
+    positions: Sequence[int], keys: Sequence[Hashable]
+) -> tuple[list[int], list[int]]:
+    """Rows distinct by their prompt and one more key each (a row's constraint): (the first
+    row of each distinct (prompt, key), each row's index into those). ``positions``: each
+    row's prompt, as ``dedupe`` gives them."""
+    index: dict[tuple[int, Hashable], int] = {}
+    firsts: list[int] = []
+    rows: list[int] = []
+    for row, pair in enumerate(zip(positions, keys)):
+        if pair not in index:
+            index[pair] = len(firsts)
+            firsts.append(row)
+        rows.append(index[pair])
+    return firsts, rows
 
 
 def _prompt_key(value: Any) -> Any:
