@@ -4,11 +4,14 @@ that share a prompt prefix into one partition first.
 >>> ddf = co_locate(ddf, "prompt")                                   # optional, see its doc
 >>> ddf = llm_infer(ddf, "prompt", output="out", model="smollm2-135m-instruct", max_tokens=32)
 >>> ddf[["prompt", "out", "out_finish_reason"]].compute()
+>>> llm_estimate(ddf, "prompt", model="smollm2-135m-instruct", max_tokens=32, executors=8).report()
 
 One partition is one batch: a single ``LLMOperator.generate`` call, planned over all of
 the partition's prompts, on the worker process's cached engine (one per process, shared
 by its threads). Options are checked on the client before any model loads, and the
-tasks capture only an ``InferOptions`` (the model loads on the worker).
+tasks capture only an ``InferOptions`` (the model loads on the worker). ``llm_estimate``
+predicts such a job's time before it runs: a sample of rows generated on the client, every
+partition tokenized and planned on the workers (no model there).
 
 This module is ``llm_operator.integrations.dask``; ``import dask.dataframe`` below is an
 absolute import of the real dask package (Python 3 has no implicit relative imports).
@@ -16,13 +19,23 @@ absolute import of the real dask package (Python 3 has no implicit relative impo
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 
+from llm_operator.integrations.estimate_frames import (
+    PREDICTION_FIELDS,
+    check_estimate_options,
+    driver_inputs,
+    frame_estimate,
+    oversampled_fraction,
+    predict_partition,
+    sample_size,
+)
 from llm_operator.integrations.json_values import ANY, ValueType
 from llm_operator.integrations.partition import (
     RESULT_FIELDS,
@@ -40,6 +53,9 @@ from llm_operator.integrations.partition import (
     typed_value,
 )
 from llm_operator.options import SCOPES, keyword_signature
+
+if TYPE_CHECKING:
+    from llm_operator.estimate import CostInputs, Estimate
 
 # Text results use the dtype dask itself gives text columns (its "convert-string" default).
 STRING_DTYPE = pd.StringDtype("pyarrow")
@@ -237,6 +253,151 @@ def _with_results(
         else:
             result[name] = np.asarray(values, dtype=dtype)
     return result
+
+
+def llm_estimate(
+    ddf: dd.DataFrame,
+    col: Hashable | None = None,
+    *,
+    model: Any,
+    sample_rows: int | str = "auto",
+    executors: int = 1,
+    seed: int = 0,
+    recalibrate: bool = False,
+    engine_options: Mapping[str, Any] | None = None,
+    choices_col: Hashable | None = None,
+    regex_col: Hashable | None = None,
+    json_schema_col: Hashable | None = None,
+    **options: Any,
+) -> Estimate:
+    """What ``llm_infer(ddf, col, **options)`` would cost, predicted without running it
+    whole: an ``llm_operator.estimate.Estimate`` (``report()`` prints it; ``as_dict()``
+    is JSON-ready) with the rows, tokens, seconds on one machine (and a range), on
+    ``executors`` machines, and machine-hours.
+
+    col and options: as ``llm_infer`` takes them (a prompt column, or ``template=`` /
+        ``columns=``, ``chat``, ``system``, sampling, constraint and engine options);
+        with ``reorder_fields`` the prompts render in the order ``plan_table`` chooses.
+    sample_rows: rows the client samples and generates for their output lengths ("auto":
+        2% of the rows, 4 to 64; 0: none, every row then runs to its max_tokens).
+        seed: which rows (``ddf.sample``); not the sampling seed.
+    executors: workers the partitions are spread over (longest first, whole): the
+        Estimate's ``executor_seconds`` is the slowest one's time.
+    recalibrate: measure the backend again rather than read its cached calibration.
+
+    Three passes: the row count, the sample (to the client), and one task per partition
+    that renders, tokenizes and plans its prompts exactly as ``llm_infer`` would
+    (``predict_prompts``, with an operator that never loads the model) and returns one
+    row. The client loads the model (kept for the next estimate with these options),
+    calibrates it once (cached under ``cache_dir`` / ``LLM_OPERATOR_CACHE``) and assumes
+    the workers are machines like it. Partitions are predicted as they are: with
+    ``dedupe`` or ``reorder_fields``, which co-locate the rows first in ``llm_infer``,
+    ``co_locate`` the frame first to estimate that. ValueError for a bad ``sample_rows``
+    or ``executors``, before anything runs.
+    """
+    started = time.perf_counter()
+    check_estimate_options(sample_rows, executors, seed)
+    checked = make_options(
+        model=model,
+        engine_options=engine_options,
+        choices_col=choices_col,
+        regex_col=regex_col,
+        json_schema_col=json_schema_col,
+        **options,
+    )
+    check_prompt_source(col, checked)
+    if checked.table is not None:
+        if not isinstance(ddf, dd.DataFrame):
+            raise TypeError(f"ddf must be a dask.dataframe.DataFrame, got {type(ddf).__name__}")
+    else:
+        _check_prompt_column(ddf, col)
+    constraint = None
+    if checked.constraint_col is not None:
+        kind, constraint = checked.constraint_col
+        if constraint not in ddf.columns:
+            raise ValueError(
+                f"{kind}_col={constraint!r} is not a column of ddf; columns: {list(ddf.columns)}"
+            )
+    frame, key = ddf, col
+    if checked.table is not None:
+        frame, key = _rendered(ddf, checked)
+    frame = frame[[key] if constraint is None or constraint == key else [key, constraint]]
+    total = len(ddf)  # (the frame's rows, without rendering its prompts)
+    sampled = _sample_rows(frame, key, sample_size(sample_rows, total), total, seed)
+    constraints = None if constraint is None else sampled[constraint].tolist()
+    inputs, sample, load_seconds = driver_inputs(
+        sampled[key].tolist(), checked, constraints, seed=seed, recalibrate=recalibrate
+    )
+    meta = _prediction_frame({name: kind() for name, kind in PREDICTION_FIELDS}).iloc[:0]
+    predicted = frame.map_partitions(
+        _predict_partition, key, constraint, checked, inputs, meta=meta
+    ).compute()
+    partitions = predicted.sort_values("partition").to_dict("records")
+    estimate = frame_estimate(
+        partitions,
+        inputs,
+        sample,
+        checked,
+        executors=executors,
+        started=started,
+        load_seconds=load_seconds,
+        engine="Dask",
+    )
+    logger.info(
+        "llm_estimate: %d rows in %d partitions, %.1f s on one machine (slowest partition %.1f s)",
+        estimate.rows,
+        len(partitions),
+        estimate.seconds,
+        max((p["seconds"] for p in partitions), default=0.0),
+    )
+    return estimate
+
+
+keyword_signature(llm_estimate, SCOPES)
+
+
+def _sample_rows(
+    frame: dd.DataFrame, key: Hashable, wanted: int, total: int, seed: int
+) -> pd.DataFrame:
+    """``wanted`` rows with a prompt, chosen at random (the same for the same ``seed`` and
+    input): a seeded ``ddf.sample`` a little larger than needed, cut to ``wanted``; a
+    larger fraction when it came out short."""
+    present = frame[frame[key].notnull()]
+    if wanted <= 0:
+        return present._meta
+    state = seed % 2**32
+    fraction = oversampled_fraction(wanted, total)
+    while True:
+        picked = present if fraction >= 1 else present.sample(frac=fraction, random_state=state)
+        rows = picked.compute()
+        if len(rows) >= wanted or fraction >= 1:
+            return rows.sample(n=min(wanted, len(rows)), random_state=state)
+        fraction = min(1.0, 4 * fraction)
+
+
+def _predict_partition(
+    frame: pd.DataFrame,
+    key: Hashable,
+    constraint: Hashable | None,
+    options: InferOptions,
+    inputs: CostInputs,
+    partition_info: Mapping[str, Any] | None = None,
+) -> pd.DataFrame:
+    """``llm_estimate``'s task: one partition predicted (``predict_partition``), one row."""
+    number = 0 if partition_info is None else partition_info["number"]
+    constraints = None if constraint is None else frame[constraint].tolist()
+    return _prediction_frame(
+        predict_partition(frame[key].tolist(), options, inputs, constraints, number)
+    )
+
+
+def _prediction_frame(predicted: Mapping[str, Any]) -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            name: pd.Series([predicted[name]], dtype="int64" if kind is int else "float64")
+            for name, kind in PREDICTION_FIELDS
+        }
+    )
 
 
 def co_locate(

@@ -4,6 +4,7 @@
 >>> df = co_locate(df, "prompt")  # optional: rows sharing a prefix meet in one partition
 >>> df = df.withColumn("out", llm_infer("prompt", model="smollm2-135m-instruct", max_tokens=32))
 >>> df.select("out.text", "out.finish_reason")
+>>> llm_estimate(df, "prompt", model="smollm2-135m-instruct", max_tokens=32, executors=8).report()
 
 ``llm_infer`` returns a struct column ``text, finish_reason, prompt_tokens,
 completion_tokens, error, logprob, choice_logprobs`` (and with ``json_schema`` a typed
@@ -14,13 +15,17 @@ worker process and reused across tasks and jobs (Spark reuses Python workers by 
 the UDF closure captures only the small, validated ``InferOptions``. Classic Spark and
 Spark Connect alike (``SparkSession.builder.remote("sc://...")``): every function here uses
 the DataFrame API only, ``co_locate`` included (no ``DataFrame.rdd``).
+
+``llm_estimate`` predicts such a job's time before it runs: a sample of rows generated on
+the driver, every partition tokenized and planned on the executors (no model there).
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -29,6 +34,15 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from llm_operator.integrations.estimate_frames import (
+    PREDICTION_FIELDS,
+    check_estimate_options,
+    driver_inputs,
+    frame_estimate,
+    oversampled_fraction,
+    predict_partition,
+    sample_size,
+)
 from llm_operator.integrations.json_values import ValueType
 from llm_operator.integrations.partition import (
     RESULT_FIELDS,
@@ -48,6 +62,9 @@ from llm_operator.integrations.partition import (
 from llm_operator.options import SCOPES, keyword_signature
 from llm_operator.prompts.table import TABLE_PROMPT_OPTIONS
 
+if TYPE_CHECKING:
+    from llm_operator.estimate import CostInputs, Estimate
+
 _SPARK_TYPES = {
     str: T.StringType(),
     int: T.IntegerType(),
@@ -56,6 +73,7 @@ _SPARK_TYPES = {
 }
 _PROMPT = "__llm_operator_prompt"  # a temporary prompt column (rendered or co-location key)
 _PARTITION = "__llm_operator_partition"  # co_locate's temporary partition key
+_CONSTRAINT = "__llm_operator_constraint"  # llm_estimate: the rows' constraint values
 RESULT_TYPE = T.StructType(
     [T.StructField(name, _SPARK_TYPES[kind], nullable=True) for name, kind in RESULT_FIELDS]
 )
@@ -246,6 +264,149 @@ def llm_infer_df(
     return frame.withColumn(output, llm_infer(_PROMPT, **rest)).drop(_PROMPT)
 
 
+def llm_estimate(
+    df: DataFrame,
+    col: str | Column | None = None,
+    *,
+    model: Any,
+    sample_rows: int | str = "auto",
+    executors: int = 1,
+    seed: int = 0,
+    recalibrate: bool = False,
+    engine_options: Mapping[str, Any] | None = None,
+    choices_col: str | None = None,
+    regex_col: str | None = None,
+    json_schema_col: str | None = None,
+    **options: Any,
+) -> Estimate:
+    """What ``df.withColumn("out", llm_infer(col, **options))`` would cost, predicted
+    without running it whole: an ``llm_operator.estimate.Estimate`` (``report()`` prints
+    it; ``as_dict()`` is JSON-ready) with the rows, tokens, seconds on one machine (and a
+    range), on ``executors`` machines, and machine-hours.
+
+    col and options: as ``llm_infer_df`` takes them (a prompt column, or ``template=`` /
+        ``columns=``, ``chat``, ``system``, sampling, constraint and engine options);
+        with ``reorder_fields`` the prompts render in the order ``plan_table`` chooses.
+    sample_rows: rows of ``df`` the driver samples and generates for their output lengths
+        ("auto": 2% of the rows, 4 to 64; 0: none, every row then runs to its
+        max_tokens). seed: which rows (``df.sample`` and ``rand``); not the sampling seed.
+    executors: machines the partitions are spread over (longest first, whole): the
+        Estimate's ``executor_seconds`` is the slowest one's time.
+    recalibrate: measure the backend again rather than read its cached calibration.
+
+    Three Spark jobs: a count, the sample (collected), and one task per partition that
+    renders, tokenizes and plans the partition's prompts exactly as ``llm_infer`` would
+    (``predict_prompts``, with an operator that never loads the model) and returns one
+    row. The driver loads the model (kept for the next estimate with these options),
+    calibrates it once (cached under ``cache_dir`` / ``LLM_OPERATOR_CACHE``) and assumes
+    the executors are machines like it. Partitions are predicted as they are: with
+    ``dedupe`` or ``reorder_fields``, which co-locate the rows first in ``llm_infer_df``,
+    ``co_locate`` the DataFrame first to estimate that. DataFrame API only (Spark Connect
+    too). ValueError for a bad ``sample_rows`` or ``executors``, before any job runs.
+    """
+    started = time.perf_counter()
+    if not isinstance(df, DataFrame):
+        raise TypeError(f"df must be a pyspark DataFrame, got {type(df).__name__}")
+    check_estimate_options(sample_rows, executors, seed)
+    checked = make_options(
+        model=model,
+        engine_options=engine_options,
+        choices_col=choices_col,
+        regex_col=regex_col,
+        json_schema_col=json_schema_col,
+        **options,
+    )
+    check_prompt_source(col, checked)
+    check_worker_python()
+    frame = _estimate_frame(df, col, checked)
+    total = frame.count()
+    sampled = _sample_rows(frame, sample_size(sample_rows, total), total, seed)
+    with_constraint = checked.constraint_col is not None
+    values = prompt_values(pd.Series([_driver_value(r[_PROMPT]) for r in sampled], dtype=object))
+    constraints = [r[_CONSTRAINT] for r in sampled] if with_constraint else None
+    inputs, sample, load_seconds = driver_inputs(
+        values, checked, constraints, seed=seed, recalibrate=recalibrate
+    )
+
+    def predict(batches: Iterator[pd.DataFrame]) -> Iterator[pd.DataFrame]:
+        return predict_batches(batches, checked, inputs)  # only these travel
+
+    predict.__name__ = "llm_estimate"
+    rows = frame.mapInPandas(predict, PREDICTION_TYPE).collect()
+    partitions = sorted((row.asDict() for row in rows), key=lambda p: p["partition"])
+    estimate = frame_estimate(
+        partitions,
+        inputs,
+        sample,
+        checked,
+        executors=executors,
+        started=started,
+        load_seconds=load_seconds,
+        engine="Spark",
+    )
+    logger.info(
+        "llm_estimate: %d rows in %d partitions, %.1f s on one machine (slowest partition %.1f s)",
+        estimate.rows,
+        len(partitions),
+        estimate.seconds,
+        max((p["seconds"] for p in partitions), default=0.0),
+    )
+    return estimate
+
+
+keyword_signature(llm_estimate, SCOPES)
+
+_PREDICTION_SPARK_TYPES = {int: T.LongType(), float: T.DoubleType()}
+PREDICTION_TYPE = T.StructType(
+    [T.StructField(name, _PREDICTION_SPARK_TYPES[kind]) for name, kind in PREDICTION_FIELDS]
+)
+"""``llm_estimate``'s row per partition: its id, then ``PartitionPrediction``'s fields."""
+
+
+def _estimate_frame(df: DataFrame, col: Any, options: InferOptions) -> DataFrame:
+    """``df``'s prompts (``_PROMPT``) and constraint values (``_CONSTRAINT``), partitions
+    kept; the prompt checked as ``llm_infer_df`` checks it, before any job."""
+    extra = []
+    if options.constraint_col is not None:
+        check_constraint_type(df, *options.constraint_col)
+        extra.append(F.col(options.constraint_col[1]).alias(_CONSTRAINT))
+    if options.table is None:
+        column = _as_column(col, "col")
+        check_prompt_type(df.select(column).schema.fields[0].dataType)
+        return df.select(column.alias(_PROMPT), *extra)
+    from llm_operator.integrations.spark_tables import plan_table, prompt_column
+
+    prompt = options.table
+    if options.reorder_fields:
+        plan = plan_table(df, prompt)
+        logger.info("llm_estimate fields:\n%s", plan.report())
+        prompt = plan.chosen
+    return df.select(prompt_column(prompt, df).alias(_PROMPT), *extra)  # checks the columns
+
+
+def _sample_rows(frame: DataFrame, wanted: int, total: int, seed: int) -> list[Any]:
+    """``wanted`` rows with a prompt, chosen at random (the same for the same ``seed`` and
+    input): a seeded Bernoulli sample a little larger than needed, cut to ``wanted`` in a
+    seeded random order; a larger fraction when it came out short."""
+    if wanted <= 0:
+        return []
+    present = frame.where(F.col(_PROMPT).isNotNull())
+    fraction = oversampled_fraction(wanted, total)
+    while True:
+        picked = present if fraction >= 1 else present.sample(False, fraction, seed=seed)
+        rows = picked.orderBy(F.rand(seed)).limit(wanted).collect()
+        if len(rows) >= wanted or fraction >= 1:
+            return rows
+        fraction = min(1.0, 4 * fraction)
+
+
+def _driver_value(value: Any) -> Any:
+    """A collected prompt as the UDF sees it: chat messages (Rows) as dicts."""
+    if isinstance(value, list):
+        return [m.asDict() if hasattr(m, "asDict") else m for m in value]
+    return value
+
+
 _checked_pythons: dict[str, str | None] = {}
 
 
@@ -403,6 +564,25 @@ def constraint_values(batch: pd.Series) -> list[Any]:
             f"column with fields {list(batch.columns)}"
         )
     return batch.tolist()
+
+
+def predict_batches(
+    batches: Iterator[pd.DataFrame], options: InferOptions, inputs: CostInputs
+) -> Iterator[pd.DataFrame]:
+    """``llm_estimate``'s task body: gather the partition's prompts (and constraint
+    values), predict them as one batch (``predict_partition``), yield one row."""
+    values: list[Any] = []
+    constraints: list[Any] | None = None if options.constraint_col is None else []
+    for batch in batches:
+        values.extend(prompt_values(batch[_PROMPT]))
+        if constraints is not None:
+            constraints.extend(constraint_values(batch[_CONSTRAINT]))
+    context = TaskContext.get()
+    partition = context.partitionId() if context is not None else 0
+    predicted = predict_partition(values, options, inputs, constraints, partition)
+    yield pd.DataFrame(
+        {name: pd.Series([predicted[name]], dtype=kind) for name, kind in PREDICTION_FIELDS}
+    )
 
 
 def task_device(context: Any, options: InferOptions) -> str | None:

@@ -188,6 +188,40 @@ class LLMOperator:
         )
         return results
 
+    def estimate(
+        self,
+        prompts: Sequence[Prompt],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        sample_rows: int | str = "auto",
+        executors: int = 1,
+        seed: int = 0,
+        recalibrate: bool = False,
+    ):
+        """What ``generate(prompts, sampling)`` would cost here, without running it whole:
+        an ``llm_operator.estimate.Estimate`` (seconds with a range, rows/s, output tokens,
+        machine-hours on ``executors`` machines like this one, and what it assumed).
+
+        It loads the model, calibrates the backend on this machine once (10-20 s on a
+        2-core CPU, cached per model, backend, dtype and device), generates ``sample_rows``
+        rows spread over the prefix groups for their output lengths, and replays the
+        plan's schedule against the calibrated costs. ``"auto"``: 4 rows, one per prefix
+        group in turn, then more while the sample costs at most 5% of the job (at most 2%
+        of the rows, or 64); none when output lengths barely move its time; 0: none,
+        every row then runs to its max_tokens. Rows with ``ignore_eos`` need no sample. ``seconds`` excludes loading
+        the model (``load_seconds`` says what that took here)."""
+        from llm_operator.estimate import estimate
+
+        return estimate(
+            self,
+            prompts,
+            sampling,
+            sample_rows=sample_rows,
+            executors=executors,
+            seed=seed,
+            recalibrate=recalibrate,
+        )
+
     def _scoring_rows(self, prepared: PreparedPrompts) -> list[tuple[int, str, tuple[int, ...]]]:
         """(input row, choice, the choice's tokens) for each choice of each valid row that
         asks for choices and logprobs."""

@@ -23,7 +23,8 @@ def add_commands(commands, add_model_option: Callable[[argparse.ArgumentParser],
         # raw text (the formatter keeps these line breaks and the epilog's columns)
         description="Run the benchmark workloads through every system in one run and write\n"
         "<out>/<name>.json, .md and .png. 'bench planner' times the prefix planner alone;\n"
-        "'bench decode' times decode steps of native and vLLM against the machine's floor.",
+        "'bench decode' times decode steps of native and vLLM against the machine's floor;\n"
+        "'bench estimate' compares plan --estimate's prediction with the measured run.",
         epilog=catalog_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -31,10 +32,12 @@ def add_commands(commands, add_model_option: Callable[[argparse.ArgumentParser],
         "target",
         nargs="?",
         default="systems",
-        choices=["systems", "planner", "fields", "decode"],
+        choices=["systems", "planner", "fields", "decode", "estimate"],
         help="systems (default), planner, fields (field order and dedupe through Spark "
         "local: --tables, --repeat), or decode (decode steps against the floor: "
-        "--batch-rows, --prefix-tokens, --dtypes, --decode-tokens, --repeat)",
+        "--batch-rows, --prefix-tokens, --dtypes, --decode-tokens, --repeat), or estimate "
+        "(plan --estimate's prediction against the measured run: --systems, --workloads, "
+        "--rows for the MovieLens table)",
     )
     add_model_option(bench)
     bench.add_argument(
@@ -130,6 +133,31 @@ def _integers(text: str, name: str) -> list[int]:
 
 
 def command_bench(args) -> int:
+    if args.target == "estimate":
+        from llm_operator_bench.estimate_bench import SYSTEMS, run_estimate_bench
+        from llm_operator_bench.workloads import WORKLOAD_NAMES
+
+        default_workloads = [w for w in WORKLOAD_NAMES if w != "classify"] + ["movielens"]
+        workloads = default_workloads
+        if args.workloads and args.workloads != "all":
+            workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+        systems = list(SYSTEMS)
+        if args.systems and args.systems != "all":
+            systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+        run_estimate_bench(
+            model=args.model,
+            systems=systems,
+            workloads=workloads,
+            size=args.size or ("quick" if args.quick else "default"),
+            movielens_rows=args.rows or 200,
+            vllm_python=Path(args.vllm_python or ".venv-vllm/bin/python"),
+            kv_cache_gib=args.kv_cache_gib,
+            timeout=args.timeout or 3600,
+            out=args.out,
+            name=args.name or "bench-estimate",
+            repeat=args.repeat,
+        )
+        return 0
     if args.target == "decode":
         from llm_operator_bench.decode_bench import run_decode_bench
 

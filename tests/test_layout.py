@@ -81,3 +81,23 @@ def test_the_library_never_imports_the_benchmarks() -> None:
         if name.startswith("llm_operator_bench") and path not in allowed
     }
     assert not offending, sorted(offending)
+
+
+def test_setup_cfg_lists_every_package() -> None:
+    """A wheel carries only the packages setup.cfg names (an editable install hides a
+    missing one): every folder with an __init__.py must be there."""
+    import configparser
+
+    root = Path(__file__).resolve().parent.parent
+    config = configparser.ConfigParser()
+    config.read(root / "setup.cfg")
+    listed = set(config["options"]["packages"].split())
+    folders = {"llm_operator": "llm_operator", "kernels": "llm_operator.kernels",
+               "integrations": "llm_operator.integrations",
+               "llm_operator_bench": "llm_operator_bench"}  # fmt: skip
+    found = set()
+    for folder, name in folders.items():
+        for init in (root / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(root / folder).parts
+            found.add(".".join((name, *parts)))
+    assert found - listed == set(), f"setup.cfg [options] packages misses {sorted(found - listed)}"

@@ -100,18 +100,77 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_option(run)
     option_table.add_arguments(run)
 
-    plan = commands.add_parser(
-        "plan", help="print the prefix-sharing report without loading the model"
+    plan_help = (
+        "print the prefix-sharing report without loading the model (--estimate loads it to "
+        "predict the run's time)"
     )
+    plan = commands.add_parser("plan", help=plan_help, description=plan_help)
     _add_prompt_source(plan)
     _add_model_option(plan)
     plan.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    cost = plan.add_argument_group(
+        "cost estimate (what `run` with these options would take, on this machine)"
+    )
+    cost.add_argument(
+        "--estimate",
+        action="store_true",
+        help="also predict the run's time: loads the model, calibrates this machine once "
+        "(cached per model, backend, dtype and device), generates a few sample rows for the "
+        'output lengths and replays the plan\'s schedule; with --json, under "cost"',
+    )
+    cost.add_argument(
+        "--executors",
+        type=_executors_option,
+        metavar="N",
+        help="with --estimate: machines like this one the job is split over (the time of "
+        "the slowest, and the machine-hours of all) (default: 1)",
+    )
+    cost.add_argument(
+        "--sample-rows",
+        type=_sample_rows_option,
+        metavar="N|auto",
+        help="with --estimate: rows generated to learn the output lengths; auto: 4, one "
+        "per prefix group in turn, then more while they cost under 5%% of the job (at most "
+        "2%% of the rows or 64), none when lengths barely move the time; 0: none (every "
+        "row then counts its --max-tokens, an upper bound) (default: auto)",
+    )
+    cost.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="with --estimate: measure this machine again instead of using the cached calibration",
+    )
     option_table.add_arguments(plan)
 
     from llm_operator_bench.cli import add_commands
 
     add_commands(commands, _add_model_option)
     return parser
+
+
+def _executors_option(text: str) -> int:
+    """--executors: an int >= 1 (argparse names the option when this fails)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _sample_rows_option(text: str) -> int | str:
+    """--sample-rows: "auto" or an int >= 0."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f'expected "auto" or an integer >= 0, got {text!r}'
+        ) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f'expected "auto" or an integer >= 0, got {value}')
+    return value
 
 
 TABLE_OPTIONS = ("template", "columns", "instruction", "reorder_fields", "dedupe")
@@ -352,7 +411,9 @@ def _run_checkpointed(args, prompts: list, options: dict, constraints: list | No
 
 def command_plan(args) -> int:
     """The prefix-sharing plan from the tokenizer alone. With --template or --columns,
-    the plans of the given field order and of the order --reorder-fields chooses."""
+    the plans of the given field order and of the order --reorder-fields chooses. With
+    --estimate, also the predicted time of the prompts `run` would run (this loads the
+    model)."""
     from llm_operator import LLMOperator, SamplingParams
     from llm_operator.prompts.dedupe import dedupe
     from llm_operator.prompts.encode import as_chat
@@ -360,6 +421,18 @@ def command_plan(args) -> int:
     from llm_operator.prompts.options import PromptOptions
     from llm_operator.prompts.table import render_arrow
 
+    if not args.estimate:
+        named = [
+            flag
+            for flag, value in (
+                ("--executors", args.executors),
+                ("--sample-rows", args.sample_rows),
+                ("--recalibrate", args.recalibrate or None),
+            )
+            if value is not None
+        ]
+        if named:
+            raise ValueError(f"{' and '.join(named)}: only with --estimate")
     table, prompts, fields, options, given, deduplicate = _load_prompts(args)
     chosen = option_table.split(options)
     op = LLMOperator(args.model, **chosen["engine"])
@@ -375,6 +448,12 @@ def command_plan(args) -> int:
             rows = dedupe(rows)[0]
         return op.plan(model_prompts(rows), sampling)
 
+    def cost():
+        """The estimate of what `run` runs: the rows as rendered (the chosen order with
+        --reorder-fields), deduplicated with --dedupe."""
+        rows = dedupe(prompts)[0] if deduplicate else prompts
+        return _estimate(op, model_prompts(rows), sampling, args)
+
     example = _example_prompt(op, model_prompts(prompts))
     if not args.json and example is not None:
         row, text = example
@@ -384,9 +463,13 @@ def command_plan(args) -> int:
         if args.json:
             report = plan.stats.as_dict()
             report["example_prompt"] = None if example is None else example[1]
+            if args.estimate:
+                report["cost"] = cost().as_dict()
             print(json.dumps(report, indent=2))
         else:
             print(plan.report())
+            if args.estimate:
+                print(f"\n{cost().report()}")
         return 0
     if fields is None:  # the statistics of both orders, even when the run keeps the given one
         fields = plan_fields(given, ArrowStatistics(table, given))
@@ -406,8 +489,10 @@ def command_plan(args) -> int:
                 name: {"fields": list(getattr(fields, f"{name}_fields")), **plan.stats.as_dict()}
                 for name, plan in plans.items()
             },
-            "estimate": fields.as_dict(),
+            "estimate": fields.as_dict(),  # the field orders' statistics
         }
+        if args.estimate:
+            report["cost"] = cost().as_dict()
         print(json.dumps(report, indent=2))
         return 0
     print(fields.report())
@@ -417,7 +502,30 @@ def command_plan(args) -> int:
     given, best = (plans[name].stats.prefill_tokens for name in ("given", "chosen"))
     if given:
         print(f"\nprefill tokens, chosen / given order: {best:,} / {given:,} = {best / given:.2f}")
+    if args.estimate:
+        print(f"\n{cost().report()}")
     return 0
+
+
+def _estimate(op, prompts: list, sampling, args):
+    """``llm_operator.estimate.estimate`` with the --estimate options; its progress lines
+    (calibrating) go to stdout, or to stderr with --json (stdout then holds JSON only)."""
+    from llm_operator.estimate.estimate import estimate
+
+    stream = sys.stderr if args.json else sys.stdout
+
+    def log(line: str) -> None:
+        print(line, file=stream, flush=True)
+
+    return estimate(
+        op,
+        prompts,
+        sampling,
+        sample_rows="auto" if args.sample_rows is None else args.sample_rows,
+        executors=1 if args.executors is None else args.executors,
+        recalibrate=args.recalibrate,
+        log=log,
+    )
 
 
 def _example_prompt(op, prompts: list) -> tuple[int, str] | None:

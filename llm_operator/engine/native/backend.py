@@ -105,6 +105,7 @@ class NativeBackend:
             max_sampled = min(max_batched_tokens, engine_config.max_batch_size)
             DEFAULT_GEMM.tune([(model.head_weight, model.head_packed)], max_rows=max_sampled)
             self.decoder = CompiledDecoder(model)
+            warm_eager_path(model)
         # LLM_OPERATOR_PROFILE_OPS: each iteration's seconds by kind of work (op_profile.py)
         self.op_profile: OpProfile | None = None
         if profiling_requested():
@@ -153,9 +154,30 @@ class NativeBackend:
             self._pool = pool = (implementation, num_blocks, k_cache, v_cache)
         return pool[2], pool[3]
 
+    def release_kv_pool(self) -> None:
+        """Free the KV pool kept between runs (the next run allocates its own)."""
+        self._pool = None
+
     # -- a run -----------------------------------------------------------------------
     def start(self, run: Run) -> _NativeSteps:
         return _NativeSteps(self, run)
+
+
+@torch.inference_mode()
+def warm_eager_path(model: LlamaModel) -> None:
+    """Run the eager forward once, on one row and on enough rows for the multi-threaded
+    builds (``fused.PARALLEL_MIN_ELEMENTS``), with a stand-in attention: the elementwise
+    regions' packages load now, with the model, rather than in a job's first prefill step
+    that takes the eager path (the first load in a process costs ~1.5 s on a 2-core CPU)."""
+    device = next(model.parameters()).device
+    rows = -(-fused.PARALLEL_MIN_ELEMENTS // model.config.hidden_size) + 1
+
+    def attention(layer: int, q, k, v):
+        return torch.zeros_like(q)
+
+    for count in (1, rows):
+        ids = torch.zeros(count, dtype=torch.int64, device=device)
+        model(ids, torch.arange(count, device=device), attention)
 
 
 class _NativeSteps:

@@ -1,0 +1,130 @@
+"""The plan's schedule replayed without a model: which tokens each iteration computes.
+
+The native scheduler is pure Python and deterministic given how many tokens each request
+samples, so ``replay`` drives the real ``Scheduler`` over the plan with a stand-in for the
+model: a request is sampled ``samples[request_id]`` times, then finishes. Each iteration's
+chunks become ``cost.FEATURES``; the cost model turns them into seconds.
+
+    samples: one count per planned request: tokens it samples (an EOS that ends it counts)
+    replay(plan, samples, settings) -> Replay (feature totals, iterations, token counts)
+
+Other backends are replayed with the same scheduler under their own settings
+(``ScheduleSettings``): vLLM's token budget, running-row limit and KV blocks, and its
+prefix cache reusing whole blocks only (``reuse_block_size``: a request recomputes the
+part of its shared prefix past the last whole block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from llm_operator.engine.native.block_manager import BlockManager
+from llm_operator.engine.native.scheduler import Scheduler
+from llm_operator.estimate.cost import FEATURES, add, chunk_features, iteration_total
+from llm_operator.planner import Plan
+
+
+@dataclass(frozen=True)
+class ScheduleSettings:
+    """How a backend batches: the scheduler's options and its KV pool."""
+
+    max_batched_tokens: int
+    max_running: int
+    block_size: int
+    num_blocks: int
+    """The KV pool's blocks (``fit_to_plan``: the budget, cut to what the plan needs)."""
+    fit_to_plan: bool = False
+    """The backend sizes its pool per run (native: ``NativeBackend._num_blocks``)."""
+    share_prefixes: bool = True
+    token_batching: bool = True
+    reuse_block_size: int = 0
+    """>0: shared prefixes are reused in whole blocks of this many tokens (vLLM's prefix
+    cache); the rest of a request's shared prefix is computed again with its own tokens."""
+
+
+@dataclass
+class Replay:
+    """What a replayed run computes."""
+
+    totals: list[float]  # cost.FEATURES summed over iterations
+    iterations: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    sampled: int = 0
+    preemptions: int = 0
+    rejected: int = 0
+    num_blocks: int = 0  # the KV pool this run uses
+    steps: list[tuple[float, ...]] = field(default_factory=list)  # per iteration (keep_steps)
+
+
+def num_blocks_for(plan: Plan, budget_blocks: int, block_size: int) -> int:
+    """The native backend's pool for a plan: its budget, but no more than the plan could
+    ever hold at once (``NativeBackend._num_blocks``)."""
+    need = sum(-(-len(s.token_ids) // block_size) for s in plan.segments)
+    need += sum(-(-(len(r.token_ids) + r.max_tokens) // block_size) + 1 for r in plan.requests)
+    return max(1, min(budget_blocks, need))
+
+
+def replay(
+    plan: Plan,
+    samples: Sequence[int],
+    settings: ScheduleSettings,
+    *,
+    keep_steps: bool = False,
+) -> Replay:
+    """Run the scheduler over ``plan``; request ``i`` samples ``samples[i]`` (>= 1) tokens."""
+    assert len(samples) == len(plan.requests), "one sample count per planned request"
+    num_blocks = settings.num_blocks
+    if settings.fit_to_plan:
+        num_blocks = num_blocks_for(plan, num_blocks, settings.block_size)
+    scheduler = Scheduler(
+        plan,
+        BlockManager(num_blocks, settings.block_size),
+        max_batched_tokens=settings.max_batched_tokens,
+        max_running=settings.max_running,
+        share_prefixes=settings.share_prefixes,
+        token_batching=settings.token_batching,
+    )
+    counts = [0] * len(plan.requests)
+    targets = [max(1, int(n)) for n in samples]
+    segment_end = [segment.end for segment in plan.segments]
+    result = Replay([0.0] * len(FEATURES), num_blocks=num_blocks)
+    reuse = settings.reuse_block_size
+    while not scheduler.done:
+        chunks = scheduler.schedule()
+        if not chunks:
+            break
+        parts = []
+        for chunk in chunks:
+            seq = chunk.seq
+            prefix = segment_end[seq.chain[-1]] if seq.chain else 0
+            start, length = chunk.start, chunk.length
+            if reuse and prefix and start == 0 and seq.kind.value == "request":
+                redo = prefix % reuse  # the tail of the shared prefix past its last whole block
+                prefix, start, length = prefix - redo, 0, length + redo
+            parts.append(
+                chunk_features(start, length, prefix, sample=chunk.sample, decode=chunk.is_decode)
+            )
+            if chunk.is_decode:
+                result.decode_tokens += 1
+            else:
+                result.prefill_tokens += length
+        step = iteration_total(parts)
+        scheduler.complete(chunks)
+        for chunk in chunks:
+            if chunk.sample:
+                request_id = chunk.seq.ref
+                counts[request_id] += 1
+                result.sampled += 1
+                if counts[request_id] >= targets[request_id]:
+                    scheduler.finish(chunk.seq)
+                else:
+                    scheduler.append_token(chunk.seq, 0)
+        add(result.totals, step)
+        result.iterations += 1
+        if keep_steps:
+            result.steps.append(tuple(step))
+    result.preemptions = scheduler.stats.preemptions
+    result.rejected = len(scheduler.rejected)
+    return result
