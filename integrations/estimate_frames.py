@@ -23,16 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 from llm_operator.integrations.partition import (
     InferOptions,
-    _is_missing,
     _partition_lock,
     get_operator,
-    row_sampling,
+    partition_prompts,
 )
-from llm_operator.prompts.dedupe import dedupe, distinct_with
 
 if TYPE_CHECKING:
     from llm_operator.estimate import CostInputs, Estimate
-    from llm_operator.sampling import SamplingParams
 
 # One row per partition: its number, then PartitionPrediction's fields.
 PREDICTION_FIELDS: tuple[tuple[str, type], ...] = (
@@ -53,12 +50,9 @@ _COUNTS = [name for name, kind in PREDICTION_FIELDS if kind is int and name != "
 def check_estimate_options(sample_rows: Any, executors: Any, seed: Any) -> None:
     """ValueError naming ``sample_rows`` or ``executors``; TypeError for a seed that is
     not an int (before any job runs or model loads)."""
-    if not (isinstance(sample_rows, str) and sample_rows == "auto") and (
-        isinstance(sample_rows, bool) or not isinstance(sample_rows, int) or sample_rows < 0
-    ):
-        raise ValueError(f'sample_rows must be "auto" or an int >= 0, got {sample_rows!r}')
-    if isinstance(executors, bool) or not isinstance(executors, int) or executors < 1:
-        raise ValueError(f"executors must be an int >= 1, got {executors!r}")
+    from llm_operator.estimate.estimate import check_options
+
+    check_options(sample_rows, executors)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {seed!r}")
 
@@ -80,41 +74,6 @@ def oversampled_fraction(wanted: int, rows: int) -> float:
     return min(1.0, (wanted + 4 * wanted**0.5 + 16) / rows)
 
 
-def partition_prompts(
-    values: Sequence[Any],
-    options: InferOptions,
-    chat_template: bool,
-    constraints: Sequence[Any] | None = None,
-) -> tuple[list[Any], SamplingParams | list[SamplingParams], list[int] | None]:
-    """A partition's column values as ``run_partition`` hands them to ``generate``:
-    (prompts, sampling, each row's index into the prompts with ``dedupe``, else None).
-    A row whose constraint value is no valid constraint is a missing prompt (an error
-    row), as there."""
-    values = [None if _is_missing(v) else v for v in values]
-    sampling: list[SamplingParams | str] | None = None
-    if options.constraint_col is not None:
-        if constraints is None or len(constraints) != len(values):
-            raise ValueError(
-                f"{options.constraint_col[0]}_col: give one constraint value per row "
-                f"({len(values)} rows, {None if constraints is None else len(constraints)} values)"
-            )
-        sampling = row_sampling(options, list(constraints))
-    distinct, positions = values, None
-    if options.dedupe:
-        distinct, positions = dedupe(values)
-        if sampling is not None:
-            firsts, positions = distinct_with(positions, [id(s) for s in sampling])
-            distinct, sampling = [values[i] for i in firsts], [sampling[i] for i in firsts]
-    prompts = options.prompts(distinct, chat_template)
-    if sampling is None:
-        return prompts, options.sampling, positions
-    for i, given in enumerate(sampling):
-        if isinstance(given, str):
-            prompts[i] = None
-    rows = [options.sampling if isinstance(s, str) else s for s in sampling]
-    return prompts, rows, positions
-
-
 def predict_partition(
     values: Sequence[Any],
     options: InferOptions,
@@ -133,7 +92,7 @@ def predict_partition(
     if not len(values):
         return result
     operator = get_operator(options)
-    prompts, sampling, positions = partition_prompts(
+    prompts, sampling, positions, _ = partition_prompts(
         values, options, operator.has_chat_template, constraints
     )
     with _partition_lock(operator):  # one tokenizer user at a time (threaded workers)
@@ -160,18 +119,14 @@ def driver_inputs(
     sampled row is generated. The operator is ``get_operator``'s, so it stays loaded for
     the next estimate (or an in-process job) with these options."""
     from llm_operator.estimate import cost_inputs
+    from llm_operator.estimate.estimate import start_backend
 
     operator = get_operator(options)
-    prompts, sampling, _ = partition_prompts(
+    prompts, sampling, _, _ = partition_prompts(
         values, options, operator.has_chat_template, constraints
     )
     with _partition_lock(operator):
-        loaded = operator._backend is not None
-        started = time.perf_counter()
-        backend = operator.backend()
-        if callable(getattr(backend, "engine", None)):
-            backend.engine()  # vLLM starts here
-        load_seconds = 0.0 if loaded else time.perf_counter() - started
+        load_seconds = start_backend(operator)
         inputs, sample = cost_inputs(
             operator,
             prompts,

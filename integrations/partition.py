@@ -310,6 +310,45 @@ def engine_constructions(key: tuple | None = None) -> int:
 
 
 # -- running one partition --------------------------------------------------------
+def partition_prompts(
+    values: Sequence[Any],
+    options: InferOptions,
+    chat_template: bool,
+    constraints: Sequence[Any] | None = None,
+) -> tuple[list[Any], SamplingParams | list[SamplingParams], list[int] | None, dict[int, str]]:
+    """A partition's column values as ``generate`` takes them: (prompts, sampling, each
+    row's index into the prompts with ``dedupe`` (else None), {prompt index: message} of
+    the rows whose constraint value is no valid constraint: they run as missing prompts
+    and get that message).
+
+    constraints: with ``options.constraint_col``, each row's value of that column
+    (``row_sampling``)."""
+    values = [None if _is_missing(v) else v for v in values]
+    sampling: list[SamplingParams | str] | None = None
+    if options.constraint_col is not None:
+        if constraints is None or len(constraints) != len(values):
+            raise ValueError(
+                f"{options.constraint_col[0]}_col: give one constraint value per row "
+                f"({len(values)} rows, {None if constraints is None else len(constraints)} values)"
+            )
+        sampling = row_sampling(options, list(constraints))
+    distinct, positions = values, None
+    if options.dedupe:
+        distinct, positions = dedupe(values)
+        if sampling is not None:  # a distinct row is a distinct (prompt, constraint)
+            # rows of equal constraint values share one SamplingParams (row_sampling)
+            firsts, positions = distinct_with(positions, [id(s) for s in sampling])
+            distinct, sampling = [values[i] for i in firsts], [sampling[i] for i in firsts]
+    prompts = options.prompts(distinct, chat_template)
+    if sampling is None:
+        return prompts, options.sampling, positions, {}
+    bad = {i: given for i, given in enumerate(sampling) if isinstance(given, str)}
+    for i in bad:
+        prompts[i] = None
+    rows = [options.sampling if isinstance(s, str) else s for s in sampling]
+    return prompts, rows, positions, bad
+
+
 def run_partition(
     values: Sequence[Any],
     options: InferOptions,
@@ -323,48 +362,27 @@ def run_partition(
     constraints: with ``options.constraint_col``, each row's value of that column
     (``row_sampling``); a row whose value is no valid constraint is an error row."""
     started = time.perf_counter()
-    values = [None if _is_missing(v) else v for v in values]
-    if not values:
+    if not len(values):
         return []
-    sampling: list[SamplingParams | str] | None = None
-    if options.constraint_col is not None:
-        if constraints is None or len(constraints) != len(values):
-            raise ValueError(
-                f"{options.constraint_col[0]}_col: give one constraint value per row "
-                f"({len(values)} rows, {None if constraints is None else len(constraints)} values)"
-            )
-        sampling = row_sampling(options, list(constraints))
     operator = get_operator(options, device)
-    distinct, positions = values, None
-    if options.dedupe:
-        distinct, positions = dedupe(values)
-        if sampling is not None:  # a distinct row is a distinct (prompt, constraint)
-            # rows of equal constraint values share one SamplingParams (row_sampling)
-            firsts, positions = distinct_with(positions, [id(s) for s in sampling])
-            distinct, sampling = [values[i] for i in firsts], [sampling[i] for i in firsts]
     lock = _partition_lock(operator)
     with lock:  # one generate at a time per engine (threaded workers share it)
-        prompts = options.prompts(distinct, operator.has_chat_template)
-        if sampling is None:
-            results = operator.generate(prompts, options.sampling)
-        else:  # a row with a bad constraint runs as a missing prompt, then gets its message
-            bad = [i for i, s in enumerate(sampling) if isinstance(s, str)]
-            for i in bad:
-                prompts[i] = None
-            rows = [options.sampling if isinstance(s, str) else s for s in sampling]
-            results = list(operator.generate(prompts, rows))
-            for i in bad:
-                results[i] = GenerationResult.failed(sampling[i])
+        prompts, sampling, positions, bad = partition_prompts(
+            values, options, operator.has_chat_template, constraints
+        )
+        results = list(operator.generate(prompts, sampling))
+        for i, message in bad.items():  # a bad constraint ran as a missing prompt
+            results[i] = GenerationResult.failed(message)
         stats = operator.last_stats
     if positions is not None:
         results = [results[i] for i in positions]
-    _log_stats(label, len(values), len(distinct), stats, time.perf_counter() - started)
+    _log_stats(label, len(values), len(prompts), stats, time.perf_counter() - started)
     logger.info(
         "%s: %d rows%s (%d errors%s), %d prompt tokens, %d prefilled, %d output tokens, "
         "%.2f s, saving ratio %.1f%%",
         label,
         len(values),
-        f", {len(distinct)} distinct prompts" if positions is not None else "",
+        f", {len(prompts)} distinct prompts" if positions is not None else "",
         stats.error_rows,
         f", {stats.invalid_rows} constrained outputs cut by max_tokens before they were valid"
         if stats.invalid_rows

@@ -184,14 +184,11 @@ def _release_pool(op) -> None:
 
 def worker(job_path: Path, result_path: Path) -> None:
     from llm_operator import LLMOperator, SamplingParams
+    from llm_operator.estimate.estimate import start_backend
 
     job = json.loads(Path(job_path).read_text())
     op = LLMOperator(job["model"], **job["options"])
-    started = time.perf_counter()
-    backend = op.backend()
-    if callable(getattr(backend, "engine", None)):
-        backend.engine()
-    load_seconds = time.perf_counter() - started
+    load_seconds = start_backend(op)
     runs = []
     for index, w in enumerate(job["workloads"]):
         stop = tuple(w.get("stop") or ())

@@ -12,6 +12,7 @@ the sample) so a reader can judge it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -205,17 +206,41 @@ class PartitionPrediction:
         return asdict(self)
 
 
+def plan_prompts(op, prompts: Sequence[Any], sampling):
+    """(prepared prompts, their plan, each plan row's input row, each planned request's
+    ignore_eos, seconds tokenizing and planning took), as ``generate`` plans them."""
+    started = time.perf_counter()
+    prepared = op.prepare(prompts, sampling)
+    plan, valid = op._plan(prepared.token_ids, prepared.params)
+    ignore_eos = [prepared.params[valid[r.rows[0]]].ignore_eos for r in plan.requests]
+    return prepared, plan, valid, ignore_eos, time.perf_counter() - started
+
+
+def start_backend(op) -> float:
+    """Load ``op``'s model (and start vLLM's engine): the seconds it took, 0 when loaded."""
+    if op._backend is not None:
+        return 0.0
+    started = time.perf_counter()
+    backend = op.backend()
+    if callable(getattr(backend, "engine", None)):
+        backend.engine()  # vLLM starts here
+    return time.perf_counter() - started
+
+
+def check_options(sample_rows: Any, executors: Any) -> int | None:
+    """ValueError naming ``sample_rows`` or ``executors``; the sample size (None: auto)."""
+    if isinstance(executors, bool) or not isinstance(executors, int) or executors < 1:
+        raise ValueError(f"executors must be an int >= 1, got {executors!r}")
+    return _sample_size_option(sample_rows)
+
+
 def predict_prompts(
     op, prompts: Sequence[Any], sampling, inputs: CostInputs
 ) -> PartitionPrediction:
     """Tokenize and plan ``prompts`` with ``op`` (its model is not loaded) and predict
     their run from ``inputs`` (``cost_inputs``, measured elsewhere on a machine like the
     one that will run them)."""
-    started = time.perf_counter()
-    prepared = op.prepare(prompts, sampling)
-    plan, valid = op._plan(prepared.token_ids, prepared.params)
-    prepare_seconds = time.perf_counter() - started
-    ignore_eos = [prepared.params[valid[r.rows[0]]].ignore_eos for r in plan.requests]
+    prepared, plan, _, ignore_eos, prepare_seconds = plan_prompts(op, prompts, sampling)
     predicted = predict(plan, ignore_eos, inputs)
     return PartitionPrediction(
         rows=len(prepared.token_ids),
@@ -243,21 +268,14 @@ def cost_inputs(
 ) -> tuple[CostInputs, dict[str, Any]]:
     """Calibrate ``op``'s backend (cached) and generate a sample of ``prompts`` for the
     output lengths: (the inputs of every later ``predict``, what the sample measured).
-    ``planned``: (prepared prompts, plan, valid rows) when the caller has them already."""
+    ``planned``: ``plan_prompts``' result when the caller has it already."""
     size = _sample_size_option(sample_rows)
-    if planned is None:
-        prepared = op.prepare(prompts, sampling)
-        plan, valid = op._plan(prepared.token_ids, prepared.params)
-    else:
-        prepared, plan, valid = planned
+    prepared, plan, valid, ignore_eos, _ = planned or plan_prompts(op, prompts, sampling)
+    start_backend(op)
     backend = op.backend()
-    if callable(getattr(backend, "engine", None)):
-        backend.engine()  # vLLM starts here
     calibration = load_or_calibrate(op, recalibrate=recalibrate, log=log)
-    params = [prepared.params[valid[r.rows[0]]] for r in plan.requests]
-    unknown = [r.request_id for r in plan.requests if not params[r.request_id].ignore_eos]
+    unknown = [r.request_id for r in plan.requests if not ignore_eos[r.request_id]]
     settings = schedule_settings(op, backend)
-    ignore_eos = [p.ignore_eos for p in params]
     bounds = CostInputs(
         backend.name, calibration.cost, settings, calibration.pool_seconds_per_block, LengthModel()
     )
@@ -304,28 +322,18 @@ def cost_inputs(
         sample_plan, sample_valid = op._plan(
             [prepared.token_ids[row] for row in rows], sample_params
         )
-        exact = LengthModel()
         sample_known = {
             r.request_id: known.get(chosen[sample_valid[r.rows[0]]], 1)
             for r in sample_plan.requests
         }
-        check = CostInputs(
-            backend.name, calibration.cost, settings, calibration.pool_seconds_per_block, exact
-        )
         sample["predicted_seconds"] = (
             predict(
-                sample_plan, [False] * len(sample_plan.requests), check, known=sample_known
+                sample_plan, [False] * len(sample_plan.requests), bounds, known=sample_known
             ).seconds
             + stats.tokenize_seconds
             + stats.plan_seconds
         )
-    inputs = CostInputs(
-        backend.name,
-        calibration.cost,
-        settings,
-        calibration.pool_seconds_per_block,
-        LengthModel.of(sampled),
-    )
+    inputs = dataclasses.replace(bounds, lengths=LengthModel.of(sampled))
     sample["calibration"] = calibration
     sample["unknown"] = len(unknown)
     return inputs, sample
@@ -343,19 +351,12 @@ def estimate(
     log=None,
 ) -> Estimate:
     """Predict what ``op.generate(prompts, sampling)`` costs (``LLMOperator.estimate``)."""
-    _sample_size_option(sample_rows)
-    if isinstance(executors, bool) or not isinstance(executors, int) or executors < 1:
-        raise ValueError(f"executors must be an int >= 1, got {executors!r}")
+    check_options(sample_rows, executors)
     started = time.perf_counter()
-    prepared = op.prepare(prompts, sampling)
-    plan, valid = op._plan(prepared.token_ids, prepared.params)
-    prepare_seconds = time.perf_counter() - started
-    load_started = time.perf_counter()
-    loaded = op._backend is not None
+    planned = plan_prompts(op, prompts, sampling)
+    prepared, plan, valid, ignore_eos, prepare_seconds = planned
+    load_seconds = start_backend(op)
     backend = op.backend()
-    if callable(getattr(backend, "engine", None)):
-        backend.engine()  # vLLM starts here
-    load_seconds = 0.0 if loaded else time.perf_counter() - load_started
     inputs, sample = cost_inputs(
         op,
         prompts,
@@ -364,11 +365,10 @@ def estimate(
         seed=seed,
         recalibrate=recalibrate,
         log=log,
-        planned=(prepared, plan, valid),
+        planned=planned,
     )
     calibration: Calibration = sample["calibration"]
     params = [prepared.params[valid[r.rows[0]]] for r in plan.requests]
-    ignore_eos = [p.ignore_eos for p in params]
     known = sample["known"]
     lengths = inputs.lengths
 
