@@ -9,7 +9,7 @@ VLLM_VENV ?= .venv-vllm
 # torch: the CPU wheel on a machine without an NVIDIA GPU, the default CUDA build otherwise
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.4' || echo 'torch==2.13.0')
 
-.PHONY: demo test test-vllm lint setup setup-test bench bench-quick bench-fields vllm-env clean fuzz test-faults scale
+.PHONY: demo test test-vllm test-gpu lint setup setup-test bench bench-quick bench-fields vllm-env clean fuzz test-faults scale
 
 demo: $(VENV)/.installed-run
 	$(VENV)/bin/llm-operator demo
@@ -28,6 +28,20 @@ endif
 
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python -m pytest -q $(VLLM_TEST_FILES)
+
+# make test-gpu: the tests marked gpu (tests/test_gpu.py, tests/test_gpu_bench.py: the Triton
+#   kernels compiled for the GPU against the torch reference, the native engine against HF
+#   generate with CUDA graphs on and off, bench gpu's tiny run) with TRITON_INTERPRET=0 (the
+#   rest of the suite runs the kernels in the Triton interpreter: conftest sets it to 1 unless
+#   it is set). It installs and rebuilds nothing when $(GPU_PY) has a CUDA torch and
+#   llm_operator: .venv's python when .venv exists, else python3 (a GPU machine's own torch);
+#   where llm_operator is missing it is installed from this tree, offline and without
+#   dependencies (pip install --no-deps --no-build-isolation -e .). Fails without CUDA torch.
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+test-gpu:
+	@$(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: $(GPU_PY) has no CUDA GPU (torch ' + torch.__version__ + ')')"
+	@$(GPU_PY) -c "import llm_operator.kernels, llm_operator_bench" 2>/dev/null || $(GPU_PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	TRITON_INTERPRET=0 $(GPU_PY) -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_bench.py
 
 # the property-based tests with thousands of cases per surface (the suite runs a few dozen)
 fuzz: $(VENV)/.installed-test

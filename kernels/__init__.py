@@ -25,7 +25,8 @@ Triton or torch (``implementation``).
 ``TRITON_INTERPRET=1``, set before import).
 
 Self-check. The native engine calls ``ensure_checked(device, dtype)`` when it starts. On
-CUDA it runs ``self_check.check_triton`` once per (device, dtype, head shape) and, when the
+CUDA it runs ``self_check.check_triton`` once per (device, dtype, head shape), in a child
+process first (``triton_proof``; a crash there is a failed check), and, when the
 kernels disagree with the reference or fail to build, warns once (RuntimeWarning) and
 sends every later operation on that device to the torch reference for the rest of the
 process. On the CPU it builds or loads the compiled kernels and checks them
@@ -51,7 +52,9 @@ from llm_operator.kernels.metadata import (
     PrefixBatch,
     chain_batch,
     own_batch,
+    own_batch_arrays,
     prefix_batch,
+    prefix_batch_arrays,
 )
 
 __all__ = [
@@ -68,8 +71,10 @@ __all__ = [
     "merge_attention_states",
     "own_attention",
     "own_batch",
+    "own_batch_arrays",
     "prefix_attention",
     "prefix_batch",
+    "prefix_batch_arrays",
     "store_kv",
 ]
 
@@ -171,9 +176,11 @@ def ensure_checked(
     does nothing (None) when ``LLM_OPERATOR_KERNELS`` is set (``triton`` forces the kernels
     unchecked, ``torch`` needs none) or when ``device``'s tensors go to the torch reference
     anyway. Otherwise runs ``self_check.check_triton(device, dtype, ...)`` with the
-    model's head shape the first time a (device, dtype, head shape) is seen and caches its
-    result; a failure warns once (RuntimeWarning: which check failed, why, and that the
-    torch path is used) and is never retried. Thread-safe; a check holds the lock while
+    model's head shape the first time a (device, dtype, head shape) is seen, first in a
+    child process and then here only if it passed there (``triton_proof``: a crash fails
+    the check instead of killing the process; the child's verdict is cached on disk per
+    machine kind), and caches its result; a failure warns once (RuntimeWarning: which
+    check failed, why, and that the torch path is used) and is never retried. Thread-safe; a check holds the lock while
     it runs (a few milliseconds on a GPU once compiled).
     """
     forced = _forced()
@@ -197,9 +204,9 @@ def ensure_checked(
     with _check_lock:
         if key in _check_results:
             return _check_results[key]
-        from llm_operator.kernels import self_check
+        from llm_operator.kernels import triton_proof
 
-        reason = self_check.check_triton(
+        reason = triton_proof.proven_check_triton(
             torch.device(*device_key),
             dtype,
             num_heads=num_heads,
@@ -331,6 +338,8 @@ class AttentionStep:
                 self.module, q, k_cache, v_cache, self.work, scale, self.split_keys
             )
         module = self.module
+        if self.implementation == "triton":  # own part, then each level merged in place
+            return module.attend(q, k_cache, v_cache, self.own, self.prefixes, scale)
         parts = [module.own_attention(q, k_cache, v_cache, self.own, scale)]
         for batch in self.prefixes:
             parts.append(module.prefix_attention(q, k_cache, v_cache, batch, scale))

@@ -8,13 +8,18 @@ earlier process built: libraries live in ``$TORCH_EXTENSIONS_DIR`` (default
 ``~/.cache/torch_extensions``) under a name hashed from the source, the flags, torch's and
 Python's versions and the CPU model, and are written under a temporary name, then renamed,
 so concurrent processes (Spark or Dask workers) never load half a file. A file lock keeps
-them from compiling the same library twice at once.
+them from compiling the same library twice at once. The compiler runs in a child process
+(torch's entry point imports what it built, and this process imports nothing unproven).
 
-Then ``cpu_ops.self_check`` runs each operation on small seeded cases against its torch
-reference (``F.linear``, ``torch_attention``'s operations). A missing compiler or ninja, a
-failed build or a failed check warns once (RuntimeWarning naming the reason) and
-``load()`` returns None for the rest of the process: the engine then runs the torch path
-(correct, slower). Thread-safe.
+Before this process imports the library, a child process proves it
+(``artifact_proof.prove``: it imports the library and runs ``cpu_ops.self_check``, each
+operation on small seeded cases against its torch reference: ``F.linear``,
+``torch_attention``'s operations), once per library, machine kind, torch and Python (the
+verdict is cached beside the library, so later processes import it at once). With
+``LLM_OPERATOR_PROVE=off`` the self-check runs in this process instead. A missing compiler
+or ninja, a failed build, a crash or a failed check warns once (RuntimeWarning naming the
+reason) and ``load()`` returns None for the rest of the process: the engine then runs the
+torch path (correct, slower). Thread-safe.
 """
 
 from __future__ import annotations
@@ -34,11 +39,26 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["SOURCE", "build_flags", "failure", "library_path", "load", "loaded", "reset"]
+from llm_operator.kernels import artifact_proof
+
+__all__ = [
+    "PROBE",
+    "SOURCE",
+    "build_flags",
+    "compile_library",
+    "failure",
+    "library_path",
+    "load",
+    "loaded",
+    "prove_library",
+    "reset",
+]
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 # Seconds a process waits for another one compiling the same library before it gives up.
 BUILD_LOCK_TIMEOUT = 900.0
+# The proof's entry point in the child process (tests point it at a crashing probe).
+PROBE = "llm_operator.kernels.cpu_extension:prove_library"
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "module": the module or None, "failure": the reason
@@ -52,22 +72,7 @@ def build_flags() -> list[str]:
     return flags
 
 
-def _cpu_identity() -> str:
-    """What the generated code depends on: the CPU model and its feature flags."""
-    model = flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key == "model name" and not model:
-                model = value.strip()
-            elif key in ("flags", "Features") and not flags:
-                flags = value.strip()
-            if model and flags:
-                break
-    except OSError:
-        pass
-    return f"{platform.machine()} {model} {flags or platform.processor()}"
+_cpu_identity = artifact_proof.cpu_identity  # what the generated code depends on
 
 
 def library_name() -> str:
@@ -116,38 +121,71 @@ def _find_ninja() -> None:
     os.environ["PATH"] = os.pathsep.join([*folders, os.environ.get("PATH", "")])
 
 
-def _build(name: str, path: Path) -> ModuleType:
-    """Compile into a temporary folder beside ``path``, then rename the library into place."""
-    from filelock import FileLock
+def compile_library(name: str, build_directory: str) -> None:
+    """Compile the kernels as ``name`` into ``build_directory``. Run in a child process
+    (``_build``): torch's entry point also imports the library it built."""
     from torch.utils.cpp_extension import load as compile_extension
+
+    _find_ninja()
+    compile_extension(
+        name,
+        [str(SOURCE)],
+        extra_cflags=build_flags(),
+        build_directory=build_directory,
+        verbose=False,
+    )
+
+
+def prove_library(name: str, path: str) -> str | None:
+    """The proof of a built library, run in a child process (``artifact_proof``): import
+    it and self-check it (None, or the first operation that disagreed)."""
+    from llm_operator.kernels import cpu_ops
+
+    return cpu_ops.self_check(_import(name, Path(path)))
+
+
+def _prove(name: str, path: Path) -> artifact_proof.Verdict:
+    """``prove_library``'s verdict on ``path`` (cached; "trusted" with the proofs off)."""
+    return artifact_proof.prove(
+        "compiled CPU kernels",
+        PROBE,
+        {"name": name, "path": str(path)},
+        artifact=path,
+        identity=hashlib.sha256(Path(__file__).with_name("cpu_ops.py").read_bytes()).hexdigest(),
+    )
+
+
+def _build(name: str, path: Path) -> None:
+    """Compile (in a child process) into a temporary folder beside ``path``, then rename the
+    library into place; RuntimeError naming the reason when the build fails."""
+    from filelock import FileLock
 
     path.parent.mkdir(parents=True, exist_ok=True)
     _find_ninja()
     with FileLock(str(path) + ".lock", timeout=BUILD_LOCK_TIMEOUT):
         if path.is_file():  # another process built it while this one waited
-            return _import(name, path)
+            return
         print(
             "llm_operator: compiling the CPU kernels for this machine (once, about a minute)",
             file=sys.stderr,
         )
         started = time.perf_counter()
         with tempfile.TemporaryDirectory(dir=path.parent, prefix="build-") as build_dir:
-            module = compile_extension(
-                name,
-                [str(SOURCE)],
-                extra_cflags=build_flags(),
-                build_directory=build_dir,
-                verbose=False,
+            built = artifact_proof.run_probe(
+                "llm_operator.kernels.cpu_extension:compile_library",
+                {"name": name, "build_directory": build_dir},
+                timeout=BUILD_LOCK_TIMEOUT,
             )
-            built = Path(build_dir) / f"{name}.so"
+            if not built.passed:
+                raise RuntimeError(f"building the CPU kernels failed: {built.reason}")
+            library = Path(build_dir) / f"{name}.so"
             temporary = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
-            temporary.write_bytes(built.read_bytes())
+            temporary.write_bytes(library.read_bytes())
             os.replace(temporary, path)
         print(
             f"llm_operator: CPU kernels compiled in {time.perf_counter() - started:.0f} s ({path})",
             file=sys.stderr,
         )
-        return module
 
 
 def load() -> ModuleType | None:
@@ -161,10 +199,19 @@ def load() -> ModuleType | None:
         try:
             name = library_name()
             path = library_path()
-            module = _import(name, path) if path.is_file() else _build(name, path)
-            from llm_operator.kernels import cpu_ops
+            if not path.is_file():
+                _build(name, path)
+            verdict = _prove(name, path)
+            reason = None
+            if not verdict.passed:
+                reason = f"they failed their proof in a child process: {verdict.reason}"
+            else:
+                artifact_proof.announce_load("the compiled CPU kernels", path)
+                module = _import(name, path)
+                if verdict.source == "trusted":  # LLM_OPERATOR_PROVE=off: check them here
+                    from llm_operator.kernels import cpu_ops
 
-            reason = cpu_ops.self_check(module)
+                    reason = cpu_ops.self_check(module)
         except Exception as error:  # noqa: BLE001 - no compiler, no ninja, a failed build
             text = str(error).strip().splitlines()
             reason = f"{type(error).__name__}: {text[-1][:300] if text else ''}"

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -50,7 +51,9 @@ __all__ = [
     "check_scale",
     "check_store",
     "own_batch",
+    "own_batch_arrays",
     "prefix_batch",
+    "prefix_batch_arrays",
 ]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -352,6 +355,147 @@ def own_batch(
         max_context_len=max(lengths, default=0),
         host_query_start=tuple(starts),
         host_context_lens=tuple(lengths),
+    )
+
+
+def device_tensor(array: np.ndarray, device: torch.device | str) -> Tensor:
+    """A host array on ``device``: shared memory on the CPU, one non-blocking copy from
+    pinned memory on CUDA (no sync)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    device = torch.device(device)
+    if device.type == "cpu":
+        return tensor
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def own_batch_arrays(
+    query_start: np.ndarray,
+    block_tables: np.ndarray,
+    context_lens: np.ndarray,
+    *,
+    block_size: int,
+    num_blocks: int,
+    device: torch.device | str = "cpu",
+) -> OwnBatch:
+    """``own_batch`` from a step builder's arrays, with the same checks vectorized (a
+    thousand decode rows cost microseconds, not milliseconds).
+
+    query_start:  [B + 1] integers, cumulative row counts from 0
+    block_tables: [B, width] integers; entries past a request's used blocks are ignored
+    context_lens: [B] integers, each >= the request's rows
+    """
+    starts = np.asarray(query_start, dtype=np.int64)
+    lengths = np.asarray(context_lens, dtype=np.int64)
+    tables = np.asarray(block_tables)
+    if starts.ndim != 1 or lengths.ndim != 1 or tables.ndim != 2:
+        raise ValueError(
+            f"query_start, block_tables and context_lens must be 1-D, 2-D and 1-D, got "
+            f"{starts.shape}, {tables.shape} and {lengths.shape}"
+        )
+    count = tables.shape[0]
+    if starts.shape[0] != count + 1 or lengths.shape[0] != count:
+        raise ValueError(
+            f"query_start must have num_requests + 1 = {count + 1} entries and context_lens "
+            f"{count}, got {starts.shape[0]} and {lengths.shape[0]}"
+        )
+    if starts[0] != 0:
+        raise ValueError(f"query_start must run from 0, got {int(starts[0])}")
+    rows = np.diff(starts)
+    if count and rows.min() < 0:
+        raise ValueError("query_start must be non-decreasing")
+    if count and (lengths < rows).any():
+        b = int(np.argmax(lengths < rows))
+        raise ValueError(
+            f"context_lens[{b}] = {int(lengths[b])} must be >= its {int(rows[b])} query rows"
+        )
+    needed = -(-lengths // block_size)
+    width = int(needed.max()) if count else 0
+    if width > tables.shape[1]:
+        b = int(np.argmax(needed))
+        raise ValueError(
+            f"block_tables[{b}]: {int(lengths[b])} tokens need {width} blocks of {block_size} "
+            f"but the table has {tables.shape[1]} columns"
+        )
+    used = tables[:, :width].astype(np.int32)
+    used[np.arange(width)[None, :] >= needed[:, None]] = 0  # padding past the used blocks
+    if used.size and (used.min() < 0 or used.max() >= num_blocks):
+        raise ValueError(f"block_tables values must lie in [0, {num_blocks})")
+    return OwnBatch(
+        query_start=device_tensor(starts.astype(np.int32), device),
+        block_tables=device_tensor(used, device),
+        context_lens=device_tensor(lengths.astype(np.int32), device),
+        num_rows=int(starts[-1]),
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_query_rows=int(rows.max()) if count else 0,
+        max_context_len=int(lengths.max()) if count else 0,
+        host_query_start=tuple(starts.tolist()),
+        host_context_lens=tuple(lengths.tolist()),
+    )
+
+
+def prefix_batch_arrays(
+    rows: np.ndarray,
+    row_start: np.ndarray,
+    block_tables: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    num_rows: int,
+    block_size: int,
+    num_blocks: int,
+    device: torch.device | str = "cpu",
+) -> PrefixBatch:
+    """``prefix_batch`` from a step builder's arrays (rows already grouped by segment),
+    with the same checks vectorized.
+
+    rows:         [N] q rows, segment s's at ``rows[row_start[s]:row_start[s + 1]]``
+    row_start:    [S + 1] cumulative from 0
+    block_tables: [S, width] each segment's blocks (entries past its length are ignored)
+    lengths:      [S] tokens of each segment (>= 0)
+    """
+    flat = np.asarray(rows, dtype=np.int64)
+    starts = np.asarray(row_start, dtype=np.int64)
+    sizes = np.asarray(lengths, dtype=np.int64)
+    tables = np.asarray(block_tables)
+    segments = sizes.shape[0]
+    if starts.shape != (segments + 1,) or tables.ndim != 2 or tables.shape[0] != segments:
+        raise ValueError(
+            f"row_start, block_tables and lengths must have one entry per segment (and "
+            f"row_start one more), got {starts.shape}, {tables.shape} and {sizes.shape}"
+        )
+    if starts[0] != 0 or starts[-1] != flat.shape[0] or (np.diff(starts) < 0).any():
+        raise ValueError("row_start must run from 0 to len(rows), non-decreasing")
+    if segments and sizes.min() < 0:
+        raise ValueError("lengths must be >= 0")
+    if flat.size:
+        if flat.min() < 0 or flat.max() >= num_rows:
+            raise ValueError(f"rows values must lie in [0, {num_rows})")
+        if np.unique(flat).size != flat.size:
+            raise ValueError("a q row is in two segments of one batch")
+    needed = -(-sizes // block_size)
+    width = int(needed.max()) if segments else 0
+    if width > tables.shape[1]:
+        raise ValueError(f"a segment needs {width} blocks but the table has {tables.shape[1]}")
+    used = tables[:, :width].astype(np.int32)
+    used[np.arange(width)[None, :] >= needed[:, None]] = 0
+    if used.size and (used.min() < 0 or used.max() >= num_blocks):
+        raise ValueError(f"block_tables values must lie in [0, {num_blocks})")
+    counts = np.diff(starts)
+    return PrefixBatch(
+        rows=device_tensor(flat, device),
+        row_start=device_tensor(starts.astype(np.int32), device),
+        block_tables=device_tensor(used, device),
+        lengths=device_tensor(sizes.astype(np.int32), device),
+        num_rows=num_rows,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_segment_rows=int(counts.max()) if segments else 0,
+        max_length=int(sizes.max()) if segments else 0,
+        host_rows=tuple(flat.tolist()),
+        host_row_start=tuple(starts.tolist()),
+        host_lengths=tuple(sizes.tolist()),
     )
 
 

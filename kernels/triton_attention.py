@@ -42,6 +42,7 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -134,6 +135,23 @@ def _store_kv_kernel(
 
 
 @triton.jit
+def _merge_states(a_out, a_lse, b_out, b_lse):
+    """Log-sum-exp merge of two (out [P, D], lse [P]) states over disjoint keys, in fp32
+    (``_merge_kernel``'s arithmetic): a part with lse -inf weighs 0, even if its out is NaN."""
+    top = tl.maximum(a_lse, b_lse)
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.exp(a_lse - shift) + tl.exp(b_lse - shift)
+    lse = tl.where(total > 0.0, shift + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+    lse = tl.where(top == float("inf"), float("inf"), lse)
+    merged_shift = tl.where(lse == float("-inf"), 0.0, lse)
+    a_weight = tl.exp(a_lse - merged_shift)
+    b_weight = tl.exp(b_lse - merged_shift)
+    out = tl.where(a_weight[:, None] > 0.0, a_weight[:, None] * a_out, 0.0)
+    out += tl.where(b_weight[:, None] > 0.0, b_weight[:, None] * b_out, 0.0)
+    return out, lse
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,  # [T, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -168,6 +186,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr,  # query heads per KV head
     INDIRECT: tl.constexpr,  # rows come through rows_ptr (prefix) or are contiguous (own)
     CAUSAL: tl.constexpr,
+    MERGE: tl.constexpr,  # merge into the rows' (out, lse) state instead of overwriting it
     MMA_DTYPE: tl.constexpr,  # operand dtype of the two matrix products
     PRECISION: tl.constexpr,  # "ieee" for fp32 operands
     BLOCK_M: tl.constexpr,  # packed (row, head of the group) pairs per tile
@@ -261,8 +280,12 @@ def _paged_attention_kernel(
     )
     o_offsets = q_row[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od
     o_offsets += split * stride_os
-    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
     l_offsets = split * stride_ls + q_row * stride_lt + head * stride_lh
+    if MERGE:  # log-sum-exp merge with the state already there (fp32), as _merge_kernel
+        old_lse = tl.load(lse_ptr + l_offsets, mask=row_valid, other=float("-inf"))
+        old_out = tl.load(out_ptr + o_offsets, mask=q_mask, other=0.0).to(tl.float32)
+        out, lse = _merge_states(old_out, old_lse, out, lse)
+    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
     tl.store(lse_ptr + l_offsets, lse, mask=row_valid)
 
 
@@ -289,12 +312,15 @@ def _combine_splits_kernel(
     stride_od,
     stride_lt,
     stride_lh,
+    MERGE: tl.constexpr,  # merge into the rows' (out, lse) state instead of overwriting it
     BLOCK_P: tl.constexpr,  # (row, head) pairs per program
     BLOCK_D: tl.constexpr,
 ):
     pairs = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
     pair_valid = pairs < num_pairs
-    row = tl.load(rows_ptr + pairs // num_heads, mask=pair_valid, other=0).to(tl.int64)
+    row = tl.load(rows_ptr + pairs // num_heads, mask=pair_valid, other=-1).to(tl.int64)
+    pair_valid = pair_valid & (row >= 0)  # a padded row (-1, a CUDA graph's spare) is skipped
+    row = tl.where(pair_valid, row, 0)
     head = pairs % num_heads
     dims = tl.arange(0, BLOCK_D)
     mask = pair_valid[:, None] & (dims[None, :] < head_dim)
@@ -318,12 +344,14 @@ def _combine_splits_kernel(
     seen = total > 0.0
     out = acc / tl.where(seen, total, 1.0)[:, None]
     lse = tl.where(seen, shift + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
-    tl.store(
-        out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od,
-        out.to(out_ptr.dtype.element_ty),
-        mask=mask,
-    )
-    tl.store(lse_ptr + row * stride_lt + head * stride_lh, lse, mask=pair_valid)
+    out_offsets = row[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od
+    lse_offsets = row * stride_lt + head * stride_lh
+    if MERGE:
+        old_lse = tl.load(lse_ptr + lse_offsets, mask=pair_valid, other=float("-inf"))
+        old_out = tl.load(out_ptr + out_offsets, mask=mask, other=0.0).to(tl.float32)
+        out, lse = _merge_states(old_out, old_lse, out, lse)
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(lse_ptr + lse_offsets, lse, mask=pair_valid)
 
 
 @triton.jit
@@ -464,6 +492,32 @@ def _tile_config(q: Tensor, max_rows: int, group: int) -> tuple[int, int, int, i
     return block_m, block_n, block_d, num_warps, 2
 
 
+def tile_config(dtype: torch.dtype, head_dim: int, max_rows: int, group: int) -> tuple:
+    """``_tile_config`` for a q of this dtype and head_dim (no tensor needed)."""
+    return _tile_config(
+        torch.empty((0, group, head_dim), dtype=dtype, device="meta"), max_rows, group
+    )
+
+
+def preset_plan(
+    batch: OwnBatch | PrefixBatch,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    config: tuple,
+    work: Tensor,
+    num_splits: int,
+) -> None:
+    """Give ``batch`` the launch plan the kernels would derive for it, built by the caller
+    (a CUDA graph's static work buffer, refilled before each replay): ``work`` [W, 6]
+    int32 items as ``own_work`` / ``prefix_work`` list them, padding items with count 0
+    doing nothing; ``config`` from ``tile_config`` for the batch's ``max_query_rows`` /
+    ``max_segment_rows``."""
+    key = ("triton", num_heads, num_kv_heads, head_dim, config)
+    batch.derived[key] = _Plan(config, work, num_splits)
+
+
 def _mma(q: Tensor) -> tuple[object, str]:
     """Operand dtype and input precision of the kernels' two matrix products."""
     if q.device.type == "cpu" or q.dtype == torch.float32:
@@ -497,57 +551,95 @@ SPLIT_MIN_KEYS = 256
 MAX_SPLITS = 16
 
 
-def _work_tensor(items: list[tuple[int, ...]], device: torch.device) -> Tensor:
-    host = torch.tensor(items, dtype=torch.int32).reshape(-1, 6)
+def _work_tensor(items: np.ndarray, device: torch.device) -> Tensor:
+    host = torch.from_numpy(np.ascontiguousarray(items, dtype=np.int32)).reshape(-1, 6)
     if device.type == "cuda":  # once per step, and without a host-device sync
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
 
 
-def _prefix_plan(batch: PrefixBatch, config: tuple, group: int, num_kv_heads: int) -> _Plan:
-    """Items (segment, first index into batch.rows, count, key_begin, key_end, split):
-    segments longest first, then key splits, then row tiles (the tiles of one split read
-    the same K/V one after another, from L2)."""
-    rows_per_tile = config[0] // group
-    starts, lengths = batch.host_row_start, batch.host_lengths
-    segments = [s for s in range(len(lengths)) if lengths[s] > 0 and starts[s + 1] > starts[s]]
-    segments.sort(key=lambda s: -lengths[s])  # a segment of length 0: out 0, lse -inf
-    tiles = sum(-(-(starts[s + 1] - starts[s]) // rows_per_tile) for s in segments)
+def _tiles(first: np.ndarray, end: np.ndarray, rows_per_tile: int) -> tuple[np.ndarray, ...]:
+    """Row tiles of pieces [first, end): (piece index, tile's first row, tile's rows), the
+    tiles of one piece together, in piece order."""
+    tiles = -(-(end - first) // rows_per_tile)  # [pieces], 0 for an empty piece
+    piece = np.repeat(np.arange(first.shape[0]), tiles)
+    within = np.arange(piece.shape[0]) - np.repeat(np.cumsum(tiles) - tiles, tiles)
+    tile_first = first[piece] + within * rows_per_tile
+    return piece, tile_first, np.minimum(rows_per_tile, end[piece] - tile_first)
+
+
+def prefix_work(
+    row_start: Sequence[int],
+    lengths: Sequence[int],
+    rows_per_tile: int,
+    block_n: int,
+    target_programs: int,
+    num_kv_heads: int,
+) -> tuple[np.ndarray, int]:
+    """Work items [W, 6] (segment, first index into batch.rows, count, key_begin, key_end,
+    split) of a prefix batch and its key splits: segments longest first, then key splits,
+    then row tiles (the tiles of one split read the same K/V one after another, from L2).
+    A segment of length 0 or without rows has none (its rows get out 0, lse -inf)."""
+    starts = np.asarray(row_start, dtype=np.int64)
+    sizes = np.asarray(lengths, dtype=np.int64)
+    live = np.flatnonzero((sizes > 0) & (starts[1:] > starts[:-1]))
+    segments = live[np.argsort(-sizes[live], kind="stable")]
+    if segments.size == 0:
+        return np.zeros((0, 6), dtype=np.int32), 1
+    tiles = -(-(starts[segments + 1] - starts[segments]) // rows_per_tile)
     num_splits = 1
-    programs = tiles * num_kv_heads
-    target = _target_programs(batch.rows.device)
-    if 0 < programs < target:
-        longest = max(lengths[s] for s in segments)
-        num_splits = max(1, min(-(-target // programs), longest // SPLIT_MIN_KEYS, MAX_SPLITS))
-    block_n = config[1]
-    items = []
-    used_splits = 1
-    for s in segments:
-        length = lengths[s]
-        # Splits hold whole key tiles and at least SPLIT_MIN_KEYS keys.
-        chunk = max(-(-length // num_splits), min(SPLIT_MIN_KEYS, length))
-        chunk = -(-chunk // block_n) * block_n
-        used_splits = max(used_splits, -(-length // chunk))
-        for split, key_begin in enumerate(range(0, length, chunk)):
-            key_end = min(length, key_begin + chunk)
-            for first in range(starts[s], starts[s + 1], rows_per_tile):
-                count = min(rows_per_tile, starts[s + 1] - first)
-                items.append((s, first, count, key_begin, key_end, split))
-    return _Plan(config, _work_tensor(items, batch.rows.device), used_splits)
+    programs = int(tiles.sum()) * num_kv_heads
+    if 0 < programs < target_programs:
+        longest = int(sizes[segments].max())
+        num_splits = max(
+            1, min(-(-target_programs // programs), longest // SPLIT_MIN_KEYS, MAX_SPLITS)
+        )
+    # Splits hold whole key tiles and at least SPLIT_MIN_KEYS keys.
+    length = sizes[segments]
+    chunk = np.maximum(-(-length // num_splits), np.minimum(SPLIT_MIN_KEYS, length))
+    chunk = -(-chunk // block_n) * block_n
+    splits = -(-length // chunk)  # [segments]
+    # one (segment, split) pair after another, then its row tiles
+    pair_segment = np.repeat(np.arange(segments.shape[0]), splits)
+    pair_split = np.arange(pair_segment.shape[0]) - np.repeat(np.cumsum(splits) - splits, splits)
+    segment_ids = segments[pair_segment]
+    pair, first, count = _tiles(starts[segment_ids], starts[segment_ids + 1], rows_per_tile)
+    key_begin = pair_split[pair] * chunk[pair_segment[pair]]
+    key_end = np.minimum(length[pair_segment[pair]], key_begin + chunk[pair_segment[pair]])
+    items = np.stack([segment_ids[pair], first, count, key_begin, key_end, pair_split[pair]], 1)
+    return items.astype(np.int32), int(splits.max())
+
+
+def own_work(
+    query_start: Sequence[int], context_lens: Sequence[int], rows_per_tile: int
+) -> np.ndarray:
+    """Work items [W, 6] (request, first q row, count, 0, key_end = last row's position + 1,
+    0) of an own batch, the tiles with most keys first."""
+    starts = np.asarray(query_start, dtype=np.int64)
+    lengths = np.asarray(context_lens, dtype=np.int64)
+    request, first, count = _tiles(starts[:-1], starts[1:], rows_per_tile)
+    key_end = lengths[request] - (starts[request + 1] - first) + count
+    zeros = np.zeros_like(request)
+    items = np.stack([request, first, count, zeros, key_end, zeros], 1)
+    return items[np.argsort(-key_end, kind="stable")].astype(np.int32)
+
+
+def _prefix_plan(batch: PrefixBatch, config: tuple, group: int, num_kv_heads: int) -> _Plan:
+    """``prefix_work`` on the batch's host fields, on its device."""
+    items, num_splits = prefix_work(
+        batch.host_row_start,
+        batch.host_lengths,
+        config[0] // group,
+        config[1],
+        _target_programs(batch.rows.device),
+        num_kv_heads,
+    )
+    return _Plan(config, _work_tensor(items, batch.rows.device), num_splits)
 
 
 def _own_plan(batch: OwnBatch, config: tuple, group: int, num_kv_heads: int) -> _Plan:
-    """Items (request, first q row, count, 0, key_end = last row's position + 1, 0), the
-    tiles with most keys first."""
-    rows_per_tile = config[0] // group
-    starts, lengths = batch.host_query_start, batch.host_context_lens
-    items = []
-    for b, length in enumerate(lengths):
-        begin, end = starts[b], starts[b + 1]
-        for first in range(begin, end, rows_per_tile):
-            count = min(rows_per_tile, end - first)
-            items.append((b, first, count, 0, length - (end - first) + count, 0))
-    items.sort(key=lambda item: -item[4])
+    """``own_work`` on the batch's host fields, on its device."""
+    items = own_work(batch.host_query_start, batch.host_context_lens, config[0] // group)
     return _Plan(config, _work_tensor(items, batch.query_start.device), 1)
 
 
@@ -570,11 +662,19 @@ def _launch_attention(
     rows: Tensor,
     table: Tensor,
     causal: bool,
+    state: AttentionOutput | None = None,
+    merge: bool = False,
 ) -> AttentionOutput:
+    """The kernels' launch. ``state``: write into these (out, lse) buffers (``attend``)
+    rather than new zero-filled ones; ``merge``: merge into what they hold, in place, by
+    log-sum-exp, rather than overwrite it."""
     block_m, block_n, block_d, num_warps, num_stages = plan.config
     num_rows, num_heads, head_dim = q.shape
-    out = torch.zeros_like(q)  # rows no work item covers keep out 0 and lse -inf
-    lse = torch.full((num_rows, num_heads), -math.inf, dtype=torch.float32, device=q.device)
+    if state is not None:
+        out, lse = state
+    else:
+        out = torch.zeros_like(q)  # rows no work item covers keep out 0 and lse -inf
+        lse = torch.full((num_rows, num_heads), -math.inf, dtype=torch.float32, device=q.device)
     num_kv_heads = k_cache.shape[2]
     if plan.work.shape[0] == 0 or num_heads == 0 or head_dim == 0:
         return AttentionOutput(out, lse)
@@ -613,6 +713,7 @@ def _launch_attention(
         GROUP=group,
         INDIRECT=not causal,
         CAUSAL=causal,
+        MERGE=merge and plan.num_splits == 1,
         MMA_DTYPE=mma,
         PRECISION=precision,
         BLOCK_M=block_m,
@@ -638,6 +739,7 @@ def _launch_attention(
             *part_lse.stride(),
             *out.stride(),
             *lse.stride(),
+            MERGE=merge,
             BLOCK_P=block_p,
             BLOCK_D=block_d,
             num_warps=4,
@@ -731,6 +833,51 @@ def prefix_attention(
     return _launch_attention(
         q, k_cache, v_cache, scale, group, plan, batch.rows, batch.block_tables, causal=False
     )
+
+
+def attend(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    own: OwnBatch,
+    prefixes: Sequence[PrefixBatch],
+    scale: float,
+) -> Tensor:
+    """A step's whole attention in as few launches as the kernels allow: each row against
+    its own K/V (causal), then each level of shared segments merged into that state in
+    place (``MERGE``: no separate merge kernel, no zero-filled buffers). One launch per
+    part (two with key splits), plus one cast to q's dtype when there are segments.
+
+    Equals ``merge_attention_states([own_attention(...), prefix_attention(...), ...]).out``
+    up to fp32 rounding (the state is kept in fp32 between parts and rounded once). Rows
+    no own work item covers (a CUDA graph's padding rows, none otherwise) get garbage.
+    Returns out [T, num_heads, head_dim] in q's dtype."""
+    group = check_launch(q, k_cache, v_cache, own, OwnBatch)
+    scale = check_scale(scale)
+    _check_device(q)
+    _check_head_dim(q.shape[2])
+    _check_batch_index("block_tables", own.block_tables, 2)
+    num_rows, num_heads, _ = q.shape
+    state_dtype = torch.float32 if prefixes else q.dtype
+    state = AttentionOutput(
+        torch.empty(q.shape, dtype=state_dtype, device=q.device),
+        torch.empty((num_rows, num_heads), dtype=torch.float32, device=q.device),
+    )
+    plan = _plan(own, q, k_cache, group, own.max_query_rows, _own_plan)
+    if plan.work.shape[0] == 0:  # no rows at all
+        return state.out.to(q.dtype)
+    # every row of an own batch is covered: its kernel writes the whole state
+    _launch_attention(q, k_cache, v_cache, scale, group, plan, own.block_tables,
+                      own.block_tables, causal=True, state=state, merge=False)  # fmt: skip
+    for batch in prefixes:
+        check_launch(q, k_cache, v_cache, batch, PrefixBatch)
+        _check_batch_index("block_tables", batch.block_tables, 2)
+        _check_batch_index("rows", batch.rows, 1)
+        plan = _plan(batch, q, k_cache, group, batch.max_segment_rows, _prefix_plan)
+        if plan.work.shape[0]:
+            _launch_attention(q, k_cache, v_cache, scale, group, plan, batch.rows,
+                              batch.block_tables, causal=False, state=state, merge=True)  # fmt: skip
+    return state.out if state.out.dtype == q.dtype else state.out.to(q.dtype)
 
 
 def _merge_pair(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor] | None, out_dtype) -> tuple:

@@ -24,7 +24,10 @@ def add_commands(commands, add_model_option: Callable[[argparse.ArgumentParser],
         description="Run the benchmark workloads through every system in one run and write\n"
         "<out>/<name>.json, .md and .png. 'bench planner' times the prefix planner alone;\n"
         "'bench decode' times decode steps of native and vLLM against the machine's floor;\n"
-        "'bench estimate' compares plan --estimate's prediction with the measured run.",
+        "'bench estimate' compares plan --estimate's prediction with the measured run;\n"
+        "'bench gpu' measures the native engine against HF generate and the hardware on\n"
+        "random-weight models of real shapes (no network, no download); 'bench host'\n"
+        "measures the GPU's proxies on any CPU (host ms per decode step, ops per layer).",
         epilog=catalog_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -32,12 +35,17 @@ def add_commands(commands, add_model_option: Callable[[argparse.ArgumentParser],
         "target",
         nargs="?",
         default="systems",
-        choices=["systems", "planner", "fields", "decode", "estimate"],
+        choices=["systems", "planner", "fields", "decode", "estimate", "gpu", "host"],
         help="systems (default), planner, fields (field order and dedupe through Spark "
         "local: --tables, --repeat), or decode (decode steps against the floor: "
         "--batch-rows, --prefix-tokens, --dtypes, --decode-tokens, --repeat), or estimate "
         "(plan --estimate's prediction against the measured run: --systems, --workloads, "
-        "--rows for the MovieLens table)",
+        "--rows for the MovieLens table), or gpu (this engine, with CUDA graphs on and "
+        "off, against HF generate on random-weight 135M/1B/3B shapes: --models, --dtypes, "
+        "--jobs, --device, --tokenizer, --repeat (default 3), --timeout, --budget; --size tiny "
+        "or --quick: a tiny model for the CPU), or host (host milliseconds per decode "
+        "step at --batch-rows rows, default 1024, and ops per layer of a decode step on "
+        "the CUDA path: --repeat, --decode-tokens)",
     )
     add_model_option(bench)
     bench.add_argument(
@@ -52,7 +60,9 @@ def add_commands(commands, add_model_option: Callable[[argparse.ArgumentParser],
     bench.add_argument(
         "--workloads", help="comma-separated workloads, or 'all' (default: all but classify)"
     )
-    bench.add_argument("--repeat", type=int, default=1, help="runs per system; medians reported")
+    bench.add_argument(
+        "--repeat", type=int, help="runs per system; medians reported (default 1; gpu: 3 warm runs)"
+    )
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
     bench.add_argument("--name", help="file name of the results (default: bench-<size>)")
@@ -71,7 +81,11 @@ def add_commands(commands, add_model_option: Callable[[argparse.ArgumentParser],
         help="start vLLM without torch.compile (seconds instead of a minute; --quick sets it)",
     )
     bench.add_argument("--vllm-python", help="python of a venv with vllm (default: .venv-vllm)")
-    bench.add_argument("--timeout", type=float, help="seconds allowed per system")
+    bench.add_argument(
+        "--timeout",
+        type=float,
+        help="seconds allowed per system (gpu: per system process; default 300, tiny 120)",
+    )
     bench.add_argument(
         "--prompts", default="10000,100000,1000000", help="planner: batch sizes, comma-separated"
     )
@@ -83,19 +97,52 @@ def add_commands(commands, add_model_option: Callable[[argparse.ArgumentParser],
     )
     bench.add_argument("--rows", type=int, help="fields: rows per table (default 600 / 120)")
     bench.add_argument(
-        "--batch-rows", default="1,4,16,64", help="decode: rows decoding at once, comma-separated"
+        "--batch-rows",
+        help="decode: rows decoding at once, comma-separated (default 1,4,16,64); host: the "
+        "rows (default 1024)",
     )
     bench.add_argument(
         "--prefix-tokens", default="1000", help="decode: shared prefix lengths, comma-separated"
     )
     bench.add_argument(
-        "--dtypes", default="float32,bfloat16", help="decode: dtypes, comma-separated"
+        "--dtypes",
+        help="decode: dtypes, comma-separated (default float32,bfloat16); gpu: the dtypes of "
+        "every model (default bfloat16, and float32 for 135m and 3b on etl-128)",
     )
     bench.add_argument(
         "--decode-tokens",
         type=int,
         default=64,
         help="decode: steps timed per row (vLLM: the difference of two decode lengths)",
+    )
+
+    gpu = bench.add_argument_group("gpu")
+    gpu.add_argument(
+        "--models", help="gpu: model shapes, comma-separated: 135m, 1b, 3b (default) or tiny"
+    )
+    gpu.add_argument("--jobs", help="gpu: etl-128, etl-1024, comma-separated (default both)")
+    gpu.add_argument("--device", help="gpu: cuda (the default when available) or cpu")
+    gpu.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="gpu: a tokenizer folder (default: the smollm2-135m-instruct alias's)",
+    )
+    gpu.add_argument(
+        "--save-tokenizer",
+        type=Path,
+        metavar="DIR",
+        help="gpu: only save the tokenizer into DIR (to carry to a machine without the alias)",
+    )
+    gpu.add_argument(
+        "--cache-dir",
+        type=Path,
+        help="gpu: where the random-weight models are saved (default <LLM_OPERATOR_CACHE>/gpu-bench)",
+    )
+    gpu.add_argument(
+        "--budget",
+        type=float,
+        help="gpu: seconds for the whole run; systems that would start later are skipped "
+        "(default 480; none with --size tiny)",
     )
 
     demo = commands.add_parser("demo", help="classify the bundled reviews and tickets with SmolLM2")
@@ -132,7 +179,61 @@ def _integers(text: str, name: str) -> list[int]:
         raise ValueError(f"{name} must be comma-separated integers, got {text!r}") from None
 
 
+def _names(text: str | None) -> list[str] | None:
+    """Comma-separated names, or None when not given."""
+    return None if text is None else [part.strip() for part in text.split(",") if part.strip()]
+
+
+def command_gpu(args) -> int:
+    """``bench gpu`` (``bench.gpu_bench``): the report's summary table on stdout."""
+    from llm_operator_bench.gpu_bench import run_gpu_bench
+    from llm_operator_bench.gpu_models import save_tokenizer
+    from llm_operator_bench.gpu_report import markdown
+
+    if args.save_tokenizer is not None:
+        files = save_tokenizer(args.save_tokenizer, args.tokenizer)
+        size = sum(path.stat().st_size for path in files if path.is_file())
+        print(
+            f"saved {len(files)} files ({size / 2**20:.1f} MiB) to {args.save_tokenizer}; "
+            f"on the GPU machine: llm-operator bench gpu --tokenizer {args.save_tokenizer}"
+        )
+        return 0
+    report = run_gpu_bench(
+        size="tiny" if args.quick or args.size in ("tiny", "quick") else "default",
+        models=_names(args.models),
+        dtypes=_names(args.dtypes),
+        jobs=_names(args.jobs),
+        repeat=args.repeat,
+        device=args.device,
+        tokenizer=args.tokenizer,
+        out=args.out,
+        name=args.name or "bench-gpu",
+        timeout=args.timeout,
+        budget=args.budget,
+        cache_dir=args.cache_dir,
+        seed=args.seed,
+    )
+    print(markdown(report))
+    return 0 if all(r["status"] == "ok" for r in report["results"]) else 1
+
+
 def command_bench(args) -> int:
+    if args.repeat is None:
+        args.repeat = 3 if args.target in ("gpu", "host") else 1
+    if args.target == "host":
+        from llm_operator_bench.host_bench import run_host_bench
+
+        (rows,) = _integers(args.batch_rows or "1024", "--batch-rows")[:1] or [1024]
+        run_host_bench(
+            rows=rows,
+            max_tokens=args.decode_tokens,
+            repeat=args.repeat,
+            out=args.out,
+            name=args.name or "bench-host",
+        )
+        return 0
+    if args.target == "gpu":
+        return command_gpu(args)
     if args.target == "estimate":
         from llm_operator_bench.estimate_bench import SYSTEMS, run_estimate_bench
         from llm_operator_bench.workloads import WORKLOAD_NAMES
@@ -163,9 +264,9 @@ def command_bench(args) -> int:
 
         run_decode_bench(
             model=args.model,
-            rows=_integers(args.batch_rows, "--batch-rows"),
+            rows=_integers(args.batch_rows or "1,4,16,64", "--batch-rows"),
             prefixes=_integers(args.prefix_tokens, "--prefix-tokens"),
-            dtypes=[d.strip() for d in args.dtypes.split(",") if d.strip()],
+            dtypes=[d.strip() for d in (args.dtypes or "float32,bfloat16").split(",") if d.strip()],
             systems=[s.strip() for s in (args.systems or "native,vllm").split(",") if s.strip()],
             decode_tokens=args.decode_tokens,
             repeat=max(1, args.repeat),

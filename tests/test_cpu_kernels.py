@@ -4,18 +4,19 @@ packed_linear against F.linear; paged_attention and store_kv against the referen
 operations on the same keys (reference layout in, CPU layout converted); the elementwise
 regions against fused.py's eager functions (bf16 bit for bit); the decoder in one call
 against the eager LlamaModel forward; the build's fallbacks (no compiler, a failed
-self-check) and GemmChoice's use of the packed kernel.
+self-check, a failed proof) and GemmChoice's use of the packed kernel.
 """
 
 from __future__ import annotations
 
+import shutil
 import warnings
 
 import pytest
 import torch
 
 from llm_operator import kernels
-from llm_operator.kernels import cpu_extension, cpu_ops, metadata, torch_attention
+from llm_operator.kernels import artifact_proof, cpu_extension, cpu_ops, metadata, torch_attention
 from llm_operator.models import fused
 from llm_operator.models.gemm import GEMM_ENV, GemmChoice
 
@@ -366,6 +367,8 @@ def test_no_compiler_warns_once_and_falls_back(monkeypatch, tmp_path):
 
 
 def test_failed_self_check_falls_back(cpu_module, monkeypatch):
+    """With the proofs off the self-check runs in this process (else in the proving child)."""
+    monkeypatch.setenv(artifact_proof.PROVE_ENV, "off")
     monkeypatch.setattr(cpu_extension, "_state", {})
     monkeypatch.setattr(cpu_ops, "self_check", lambda module: "paged_attention: max error 0.7")
     with pytest.warns(RuntimeWarning, match="max error 0.7"):
@@ -373,6 +376,23 @@ def test_failed_self_check_falls_back(cpu_module, monkeypatch):
     monkeypatch.setenv(kernels.IMPLEMENTATION_ENV, "cpp")
     with pytest.raises(RuntimeError, match="LLM_OPERATOR_KERNELS=cpp.*max error 0.7"):
         kernels.ensure_checked("cpu", torch.float32)
+
+
+def test_failed_proof_falls_back_without_importing_the_library(cpu_module, monkeypatch, tmp_path):
+    """The proving child's self-check disagrees: one warning, and this process never
+    imports the library (a copy in tmp_path, so the failed verdict is stored there)."""
+    monkeypatch.delenv(artifact_proof.PROVE_ENV, raising=False)
+    copy = tmp_path / cpu_extension.library_path().name
+    shutil.copyfile(cpu_extension.library_path(), copy)
+    monkeypatch.setattr(cpu_extension, "library_path", lambda: copy)
+    monkeypatch.setattr(cpu_extension, "_state", {})
+    monkeypatch.setattr(cpu_extension, "PROBE", "proof_probes:disagrees")
+    imported = []
+    monkeypatch.setattr(cpu_extension, "_import", lambda *args: imported.append(args))
+    with pytest.warns(RuntimeWarning, match="failed their proof in a child process: output 0"):
+        assert cpu_extension.load() is None
+    assert imported == [] and "output 0 differs" in cpu_extension.failure()
+    assert len(list(tmp_path.glob(f"{copy.name}.*.proof.json"))) == 1
 
 
 def test_self_check_catches_a_wrong_kernel(cpu_module):

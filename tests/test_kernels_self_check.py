@@ -232,7 +232,10 @@ def cpu_like_cuda(monkeypatch):
 
 @pytest.fixture
 def registry(cpu_like_cuda) -> RecordingCheck:
-    """cpu_like_cuda with check_triton replaced by a RecordingCheck returning FAILURE."""
+    """cpu_like_cuda with check_triton replaced by a RecordingCheck returning FAILURE (and
+    no proof in a child process first, which would run the real check: test_artifact_proof
+    covers that)."""
+    cpu_like_cuda.setenv("LLM_OPERATOR_PROVE", "off")
     fake = RecordingCheck(FAILURE)
     cpu_like_cuda.setattr(self_check, "check_triton", fake)
     return fake

@@ -283,6 +283,69 @@ def test_key_splits_match_reference(monkeypatch, dtype, group, head_dim):
         assert bool((out[row] == 0).all()) and bool(torch.isneginf(lse[row]).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("splits", [False, True])
+def test_attend_merges_every_level_in_place(monkeypatch, dtype, splits):
+    """``attend`` (the engine's path: own part, then each level merged into one fp32 state
+    in place, with and without key splits) equals the reference's parts merged."""
+    if splits:
+        monkeypatch.setattr(tri, "_target_programs", lambda device: 64)
+        monkeypatch.setattr(tri, "SPLIT_MIN_KEYS", 40)
+    requests = [(3, 1)] * 7 + [(20, 5)]
+    case = make_case(
+        segments=[(5, [1, 2]), (0, [3]), (230, [0, 4, 6, 7, 8, 9, 10, 11])],
+        requests=requests,
+        dtype=dtype,
+        seed=21,
+    )
+    # a second level: another segment over some of the same rows
+    second = make_case(segments=[(90, [0, 1, 2, 5, 7])], requests=requests, dtype=dtype, seed=22)
+    k_cache = torch.cat([case.k_cache, second.k_cache])
+    v_cache = torch.cat([case.v_cache, second.v_cache])
+    offset = case.k_cache.shape[0]
+    level2 = metadata.prefix_batch(
+        [list(second.prefix.host_rows)],
+        [(second.prefix.block_tables[0, :6] + offset).tolist()],
+        [90],
+        num_rows=case.q.shape[0],
+        block_size=16,
+        num_blocks=k_cache.shape[0],
+    )
+    level1 = metadata.prefix_batch(
+        [list(case.prefix.host_rows[a:b]) for a, b in
+         zip(case.prefix.host_row_start, case.prefix.host_row_start[1:])],
+        [row.tolist() for row in case.prefix.block_tables],
+        list(case.prefix.host_lengths),
+        num_rows=case.q.shape[0], block_size=16, num_blocks=k_cache.shape[0],
+    )  # fmt: skip
+    own = metadata.own_batch(
+        list(case.own.host_query_start),
+        case.own.block_tables.tolist(),
+        list(case.own.host_context_lens),
+        block_size=16,
+        num_blocks=k_cache.shape[0],
+    )
+    args = (case.q, k_cache, v_cache)
+    out = tri.attend(*args, own, [level1, level2], case.scale)
+    expected = torch_attention.merge_attention_states(
+        [
+            torch_attention.own_attention(*args, own, case.scale),
+            torch_attention.prefix_attention(*args, level1, case.scale),
+            torch_attention.prefix_attention(*args, level2, case.scale),
+        ]
+    )
+    assert out.dtype == dtype and not bool(out.isnan().any())
+    torch.testing.assert_close(out.float(), expected.out.float(), **OUT_TOLERANCE[dtype])
+    if splits:
+        (plan,) = [v for k, v in level1.derived.items() if k[0] == "triton"]
+        assert plan.num_splits > 1
+    alone = tri.attend(*args, own, [], case.scale)  # no segments: the own part only
+    torch.testing.assert_close(
+        alone.float(), torch_attention.own_attention(*args, own, case.scale).out.float(),
+        **OUT_TOLERANCE[dtype],
+    )  # fmt: skip
+
+
 def test_non_power_of_two_group():
     """SmolLM2's 9 heads on 3 KV heads: group 3 packs 5 rows into a 16-row tile."""
     case = make_case(prefix_len=50, num_kv_heads=3, group=3, head_dim=64, seed=13)
@@ -457,9 +520,12 @@ def build(kernel, types, constexprs, **options):
 
 TL = {torch.bfloat16: ("bf16", tl.bfloat16), torch.float16: ("fp16", tl.float16),
       torch.float32: ("fp32", tl.float32)}
-for dtype, head_dim, group, rows, causal, out in [
-    (torch.bfloat16, 128, 4, 512, False, None), (torch.bfloat16, 128, 4, 512, False, "fp32"),
-    (torch.float16, 64, 8, 1, True, None), (torch.float32, 128, 3, 64, False, None),
+for dtype, head_dim, group, rows, causal, out, merge in [
+    (torch.bfloat16, 128, 4, 512, False, None, False),
+    (torch.bfloat16, 128, 4, 512, False, "fp32", False),
+    (torch.bfloat16, 64, 4, 1024, False, "fp32", True),  # merged into an fp32 state
+    (torch.float16, 64, 8, 1, True, None, False), (torch.float16, 64, 8, 1, True, "fp32", False),
+    (torch.float32, 128, 3, 64, False, None, True),
 ]:
     name, mma = TL[dtype]
     q = torch.empty(1, group, head_dim, dtype=dtype)
@@ -471,7 +537,7 @@ for dtype, head_dim, group, rows, causal, out in [
         pointers["out_ptr"] = "*" + out  # key splits: fp32 partial outs
     precision = "ieee" if dtype == torch.float32 else "tf32"
     build(tri._paged_attention_kernel, pointers,
-          dict(GROUP=group, INDIRECT=not causal, CAUSAL=causal, MMA_DTYPE=mma,
+          dict(GROUP=group, INDIRECT=not causal, CAUSAL=causal, MERGE=merge, MMA_DTYPE=mma,
                PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d),
           num_warps=warps, num_stages=stages)
 build(tri._store_kv_kernel, {n: "*bf16" for n in ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")}
@@ -480,9 +546,10 @@ for has_b in (True, False):
     build(tri._merge_kernel, {"a_out_ptr": "*fp16", "b_out_ptr": "*fp16", "a_lse_ptr": "*fp32",
           "b_lse_ptr": "*fp16", "out_ptr": "*fp16", "lse_ptr": "*fp32"},
           dict(HAS_B=has_b, BLOCK_P=32, BLOCK_D=128), num_warps=4)
-build(tri._combine_splits_kernel, {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-      "rows_ptr": "*i64", "out_ptr": "*bf16", "lse_ptr": "*fp32"},
-      dict(BLOCK_P=32, BLOCK_D=128), num_warps=4)
+for merge, out, rows_type in ((False, "*bf16", "*i64"), (True, "*fp32", "*i32")):
+    build(tri._combine_splits_kernel, {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+          "rows_ptr": rows_type, "out_ptr": out, "lse_ptr": "*fp32"},
+          dict(MERGE=merge, BLOCK_P=32, BLOCK_D=128), num_warps=4)
 print("compiled")
 """
 

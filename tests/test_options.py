@@ -33,6 +33,7 @@ PROBES = {
     "decode_first": False,
     "token_batching": False,
     "jump_forward": "text",
+    "cuda_graphs": "off",
     "trust_remote_code": True,
     "progress": True,
     "cache_dir": "/tmp/llm-operator-probe-cache",
@@ -75,9 +76,10 @@ VARIANTS = [PROBES] + [
 DEFAULTS = {
     EngineConfig: {
         "backend": "auto", "device": "auto", "dtype": "auto", "kv_cache_memory": "auto",
-        "max_batch_size": 256, "prefill_batch_tokens": 4096, "kv_block_size": 16,
+        "max_batch_size": None, "prefill_batch_tokens": None, "kv_block_size": 16,
         "min_shared_tokens": 4, "share_prefixes": True, "decode_first": True,
-        "token_batching": True, "jump_forward": "tokens", "trust_remote_code": False,
+        "token_batching": True, "jump_forward": "tokens", "cuda_graphs": "auto",
+        "trust_remote_code": False,
         "progress": False,
         "cache_dir": None, "revision": None, "gpu_share": None, "tensor_parallel_size": None,
         "pipeline_parallel_size": None, "vllm_options": (),
@@ -115,7 +117,7 @@ def test_the_options_are_typed_fields_of_the_config_classes() -> None:
         assert [o.annotation for o in table] == [cls.__annotations__[n] for n in declared]
         assert cls() == cls(**declared)
     engine, sampling = typing.get_type_hints(EngineConfig), typing.get_type_hints(SamplingParams)
-    assert (engine["max_batch_size"], engine["share_prefixes"]) == (int, bool)
+    assert (engine["max_batch_size"], engine["share_prefixes"]) == (int | None, bool)
     assert engine["kv_cache_memory"] == int | str and engine["cache_dir"] == str | None
     assert (sampling["temperature"], sampling["seed"]) == (float, int | None)
     assert sampling["stop"] == tuple[str, ...]

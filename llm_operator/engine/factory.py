@@ -27,6 +27,8 @@ def build_backend(config: EngineConfig, info: ModelInfo, tokenizer):
             "token_batching=False is an ablation of the native backend; the "
             f"{name} backend (chosen here: backend={config.backend!r}) always re-batches"
         )
+    if name != "native":  # their batch sizes are the CPU's everywhere
+        config = config.with_batch_defaults(None)
     if name == "vllm":
         from llm_operator.engine.vllm.backend import VLLMBackend
 
@@ -58,10 +60,15 @@ def kv_budget(config: EngineConfig, device: torch.device) -> int:
 def _native(config: EngineConfig, info: ModelInfo, tokenizer, device, dtype):
     from llm_operator import kernels
     from llm_operator.engine.native.backend import NativeBackend
+    from llm_operator.kernels import artifact_proof
     from llm_operator.models.llama import LlamaModel
 
     if info.native_unsupported is not None:
         raise ValueError(info.native_unsupported)
+    artifact_proof.prove_mode()  # a bad LLM_OPERATOR_PROVE fails here, naming it
+    # Native code (compiled kernels, AOT packages, Triton) runs in this process from here
+    # on: a crash there prints the Python frames to the task's log, not a bare exit.
+    artifact_proof.enable_fault_handler()
     model = LlamaModel.from_pretrained(info.path, device=device, dtype=dtype)
     heads = model.config  # on CUDA: self-check the Triton kernels (torch path on failure)
     kernels.ensure_checked(
@@ -71,7 +78,16 @@ def _native(config: EngineConfig, info: ModelInfo, tokenizer, device, dtype):
         num_kv_heads=heads.num_kv_heads,
         head_dim=heads.head_dim,
     )
+    config = config.with_batch_defaults(gpu_memory(device, config.gpu_share))
     return NativeBackend(model, config, kv_cache_bytes=kv_budget(config, device))
+
+
+def gpu_memory(device: torch.device, share: float | None = None) -> int | None:
+    """The GPU memory an engine on ``device`` counts on (its ``share``); None on the CPU."""
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    return int(total * share) if share is not None else total
 
 
 AUTO_KV_FRACTION = 0.8  # of the GPU memory an auto-sized KV cache may take

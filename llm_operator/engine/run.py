@@ -4,7 +4,7 @@ A backend is a step runner (nano-vllm style). ``backend.start(run)`` returns its
 for this run; each ``steps.step()`` schedules what runs, runs the model and hands the
 tokens back through ``run.sample`` / ``run.append`` (or, for an engine that returns
 whole completions, ``run.replay``). The run owns everything else once: each request's
-sampling parameters, generator and stop tracking (``RowDecoder``), the outputs, error
+sampling parameters, sampling seed and stop tracking (``RowDecoder``), the outputs, error
 rows, progress and the token counts.
 
     run = Run(plan, params, tokenizer=..., eos_token_ids=..., max_context=...)
@@ -15,13 +15,14 @@ Request index map: ``run.requests[request_id]`` is ``plan.requests[request_id]``
 
 from __future__ import annotations
 
+import gc
 from collections import Counter
 from collections.abc import Collection, Sequence
 
 import torch
 
 from llm_operator.engine.base import Backend, BackendResult, ProgressCallback, RequestOutput
-from llm_operator.engine.sampler import row_seed, sample_next_tokens
+from llm_operator.engine.sampler import row_seed, row_step_key, sample_tokens
 from llm_operator.engine.stopping import RowDecoder
 from llm_operator.planner import Plan, PlannedRequest
 from llm_operator.sampling import SamplingParams
@@ -31,28 +32,30 @@ class Request:
     """A planned request's state: what it samples with, what it has produced."""
 
     __slots__ = (
-        "planned", "params", "generator", "decoder", "constraint", "forced", "logprob", "output",
-        "jumped",
+        "planned", "params", "seed", "decoder", "constraint", "forced", "logprob", "output",
+        "jumped", "plain",
     )  # fmt: skip
 
     def __init__(
         self,
         planned: PlannedRequest,
         params: SamplingParams,
-        generator: torch.Generator | None,
+        seed: int | None,
         decoder: RowDecoder,
         constraint=None,
         forced: tuple[int, ...] | None = None,
     ) -> None:
         self.planned = planned
         self.params = params
-        self.generator = generator  # seeded rows only: derived from seed and prompt
+        self.seed = seed  # sampled rows only: derived from seed and prompt (``request_seeds``)
         self.decoder = decoder
         self.constraint = constraint  # constraints.ChoiceState | GrammarState | None
         self.forced = forced  # scoring requests: the tokens to feed (and score) instead
         self.logprob = 0.0  # unconstrained log-probability of the tokens so far
         self.output: RequestOutput | None = None
         self.jumped: list[int] = []  # tokens jump-forward appended after the last sample
+        # no constraint, forced tokens, logprobs or stop strings: ``Run.append_plain`` applies
+        self.plain = not self.special and not params.stop
 
     @property
     def special(self) -> bool:
@@ -72,7 +75,7 @@ class Run:
     """The requests of one plan and their outputs.
 
     params: one ``SamplingParams`` per planned request (``plan.requests`` order).
-    generators: one per planned request (None: derived with ``request_generators``).
+    seeds: one per planned request (None: derived with ``request_seeds``).
     progress(finished_rows, new_output_tokens) is called as tokens and rows come in.
     constraints: compiles ``choices``/``regex``/``json_schema`` (needed when any row has one).
     forced: request_id -> tokens a scoring request feeds instead of sampling; its output's
@@ -87,14 +90,14 @@ class Run:
         tokenizer,
         eos_token_ids: Collection[int],
         max_context: int,
-        generators: Sequence[torch.Generator | None] | None = None,
+        seeds: Sequence[int | None] | None = None,
         progress: ProgressCallback | None = None,
         constraints=None,
         forced: dict[int, tuple[int, ...]] | None = None,
     ) -> None:
         assert len(params) == len(plan.requests), "one SamplingParams per planned request"
-        if generators is None:
-            generators = request_generators(plan, params)
+        if seeds is None:
+            seeds = request_seeds(plan, params)
         self.plan = plan
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -105,17 +108,18 @@ class Run:
             Request(
                 planned,
                 p,
-                generator,
+                seed,
                 RowDecoder(tokenizer, p, self.eos_token_ids, len(planned.token_ids), max_context),
                 None if constraints is None else constraints.start(p, ignore_eos=p.ignore_eos),
                 forced.get(planned.request_id),
             )
-            for planned, p, generator in zip(plan.requests, params, generators)
+            for planned, p, seed in zip(plan.requests, params, seeds)
         ]
         assert constraints is not None or all(p.constraint is None for p in params), (
             "constrained rows need a Constraints"
         )
         self.unanswered = len(self.requests)
+        self.all_plain = all(request.plain for request in self.requests)  # see append_plain
         self.prefill_tokens = 0  # prompt tokens run through the model (backends add to it)
         self.output_tokens = 0
         self.forced_tokens = 0  # output tokens appended without sampling (jump-forward)
@@ -127,13 +131,16 @@ class Run:
 
     # -- what backends call ------------------------------------------------------------
     def sample(self, logits: torch.Tensor, request_ids: Sequence[int]) -> list[int]:
-        """One next token per request from its logits row (logits: [len(request_ids), vocab])."""
+        """One next token per request from its logits row (logits: [len(request_ids), vocab]),
+        sampled on the logits' device with one host sync (``sampler.sample_tokens``)."""
         requests = [self.requests[i] for i in request_ids]
         special = [k for k, r in enumerate(requests) if r.special]
+        keys = [
+            None if r.seed is None else row_step_key(r.seed, len(r.decoder.token_ids))
+            for r in requests
+        ]
         if not special:
-            return sample_next_tokens(
-                logits, [r.params for r in requests], [r.generator for r in requests]
-            ).tolist()
+            return sample_tokens(logits, [r.params for r in requests], keys).tolist()
         logits = logits.float().clone()  # masked in place below
         # the unconstrained distribution, for logprobs and scoring
         scored = [k for k in special if requests[k].params.logprobs or requests[k].forced]
@@ -141,9 +148,7 @@ class Run:
         for k in special:
             if requests[k].constraint is not None:
                 requests[k].constraint.mask(logits[k])
-        tokens = sample_next_tokens(
-            logits, [r.params for r in requests], [r.generator for r in requests]
-        ).tolist()
+        tokens = sample_tokens(logits, [r.params for r in requests], keys).tolist()
         for k in special:
             request = requests[k]
             if request.forced is not None:
@@ -151,6 +156,36 @@ class Run:
         for j, k in enumerate(scored):
             requests[k].logprob += float(log_probs[j, tokens[k]])
         return tokens
+
+    def append_plain(self, request_ids: Sequence[int], tokens: Sequence[int]) -> list[bool]:
+        """``append`` for many requests at once, where every one is ``plain`` (no
+        constraint, forced tokens, logprobs or stop strings; the caller checks): whether
+        each finished. Progress is reported once."""
+        finished_flags = []
+        finished_rows = new_tokens = 0
+        requests = self.requests
+        for request_id, token in zip(request_ids, tokens):
+            request = requests[request_id]
+            decoder = request.decoder
+            decoder.token_ids.append(token)
+            if token in decoder.eos_token_ids:
+                decoder.finish_reason = "stop"
+            elif len(decoder.token_ids) >= decoder.max_tokens:
+                decoder.finish_reason = "length"
+            else:
+                finished_flags.append(False)
+                new_tokens += 1
+                continue
+            finished_flags.append(True)
+            request.output = self._output(request)
+            self.unanswered -= 1
+            new_tokens += 1
+            if request.forced is None:
+                finished_rows += len(request.planned.rows)
+        self.output_tokens += len(finished_flags)
+        if self.progress is not None and finished_flags:
+            self.progress(finished_rows, new_tokens)
+        return finished_flags
 
     def append(self, request_id: int, token: int) -> bool:
         """Add a sampled token; True when the request has finished (its output is set).
@@ -276,24 +311,31 @@ class Run:
 def run_plan(backend: Backend, run: Run) -> BackendResult:
     """Step the backend until every request of the run has an output."""
     if not run.done:
-        steps = backend.start(run)
+        # The objects alive now (the model, the plan, the prompts) are left out of the
+        # garbage collector's scans for the run: a step over a thousand rows allocates
+        # enough to trigger collections, which would walk them all every time.
+        gc.freeze()
         try:
-            while not run.done:
-                if not steps.step():
-                    raise AssertionError(
-                        f"backend {backend.name!r} stopped with {run.unanswered} requests unanswered"
-                    )
+            steps = backend.start(run)
+            try:
+                while not run.done:
+                    if not steps.step():
+                        raise AssertionError(
+                            f"backend {backend.name!r} stopped with {run.unanswered} requests "
+                            "unanswered"
+                        )
+            finally:
+                steps.close()
         finally:
-            steps.close()
+            gc.unfreeze()
     return run.result()
 
 
-def request_generators(
-    plan: Plan, params: Sequence[SamplingParams]
-) -> list[torch.Generator | None]:
-    """A generator per planned request: a seeded, sampled request draws from one derived
-    from its seed, its prompt and which occurrence of that (seed, prompt) it is among the
-    plan's rows in input order, so it samples the same tokens in any batch or partition."""
+def request_seeds(plan: Plan, params: Sequence[SamplingParams]) -> list[int | None]:
+    """A sampling seed per planned request (None for greedy ones): a seeded request's
+    derives from its seed, its prompt and which occurrence of that (seed, prompt) it is
+    among the plan's rows in input order, so it samples the same tokens in any batch or
+    partition; an unseeded sampled request draws one from torch's global generator."""
     row_request: dict[int, PlannedRequest] = {}
     for request in plan.requests:
         for row in request.rows:
@@ -307,12 +349,12 @@ def request_generators(
             key = (seed, tuple(request.token_ids))
             occurrence[row] = seen[key]
             seen[key] += 1
-    generators: list[torch.Generator | None] = []
+    seeds: list[int | None] = []
     for request, p in zip(plan.requests, params):
-        if p.seed is None or p.greedy:
-            generators.append(None)
-            continue
-        generator = torch.Generator()
-        generator.manual_seed(row_seed(p.seed, request.token_ids, occurrence[request.rows[0]]))
-        generators.append(generator)
-    return generators
+        if p.greedy:
+            seeds.append(None)
+        elif p.seed is None:
+            seeds.append(int(torch.randint(0, 2**62, ()).item()))
+        else:
+            seeds.append(row_seed(p.seed, request.token_ids, occurrence[request.rows[0]]))
+    return seeds

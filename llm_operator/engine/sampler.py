@@ -27,45 +27,83 @@ def row_seed(seed: int, prompt_token_ids: Sequence[int], occurrence: int = 0) ->
     return int.from_bytes(digest.digest(), "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def sample_next_tokens(
+# -- batched sampling on the logits' device ---------------------------------------------
+# A sampled row takes argmax(logits / temperature + Gumbel noise) over the tokens its top_k
+# and top_p keep: a draw from that distribution. The noise of (row, step, token) is a hash
+# of the row's seed, its step and the token id (31-bit integer mixing in int64, exact on
+# every device), so a row's draw depends on nothing else: not its batch, not the device's
+# random state, and every row of a step samples in a handful of kernels with no host loop.
+_MASK31 = (1 << 31) - 1
+_MIX = 0x45D9F3B  # < 2**27: a 31-bit value times it stays below 2**58 in int64
+
+
+def _mix(x: int) -> int:
+    """A 31-bit integer hash (host)."""
+    x = (((x >> 16) ^ x) * _MIX) & _MASK31
+    x = (((x >> 16) ^ x) * _MIX) & _MASK31
+    return (x >> 16) ^ x
+
+
+def row_step_key(seed: int, step: int) -> int:
+    """The 31-bit key of a row's ``step``-th draw (``step``: tokens generated so far)."""
+    return _mix((seed & _MASK31) ^ _mix(((seed >> 31) & _MASK31) ^ _mix(step & _MASK31)))
+
+
+def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """keys [rows] int64 (``row_step_key``) -> Gumbel(0, 1) noise [rows, vocab] float32 on
+    ``keys``' device: each token's uniform draw is a hash of its row's key and its id."""
+    index = torch.arange(vocab, device=keys.device, dtype=torch.int64)
+    x = keys[:, None] ^ index[None, :]  # [rows, vocab], 31-bit
+    x = (((x >> 16) ^ x) * _MIX) & _MASK31
+    x = (((x >> 16) ^ x) * _MIX) & _MASK31
+    x = (x >> 16) ^ x
+    uniform = ((x >> 7).to(torch.float32) + 0.5) * 2.0**-24  # 24 bits: exact, in (0, 1)
+    return -torch.log(-torch.log(uniform))
+
+
+def sample_tokens(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
+    keys: Sequence[int | None],
 ) -> torch.Tensor:
-    """Pick one token per row.
+    """One token per row, on the logits' device, without a host sync.
 
     logits: [rows, vocab] (any float dtype; computed in fp32).
-    Returns token ids: [rows] (int64, on the CPU).
+    params: each row's sampling; greedy rows (``params.greedy``) take the argmax.
+    keys:   each sampled row's ``row_step_key`` (None for greedy rows).
+    Returns token ids [rows] int64 on logits' device.
     """
-    # logits: [rows, vocab]
-    logits = logits.float()
     rows = logits.shape[0]
-    assert len(params) == rows and len(generators) == rows, (
-        "one SamplingParams and generator per row"
-    )
-    out = torch.argmax(logits, dim=-1).cpu()
-    for row, p in enumerate(params):
-        if p.greedy:
-            continue
-        out[row] = _sample_row(logits[row], p, generators[row])
-    return out
-
-
-def _sample_row(
-    row_logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None
-) -> int:
-    # row_logits: [vocab]
-    scores = (row_logits / p.temperature).cpu()
-    if p.top_k > 0 and p.top_k < scores.shape[0]:
-        kth = torch.topk(scores, p.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=0)
+    assert len(params) == rows and len(keys) == rows, "one SamplingParams and key per row"
+    logits = logits.float()
+    tokens = torch.argmax(logits, dim=-1)
+    sampled = [row for row, p in enumerate(params) if not p.greedy]
+    if not sampled:
+        return tokens
+    device = logits.device
+    index = torch.tensor(sampled, device=device)
+    chosen = [params[row] for row in sampled]
+    temperature = torch.tensor([p.temperature for p in chosen], device=device)
+    scores = logits[index] / temperature[:, None]  # [sampled, vocab]
+    top_k = [p.top_k if 0 < p.top_k < scores.shape[1] else 0 for p in chosen]
+    if any(top_k):
+        kth = torch.topk(scores, max(top_k), dim=-1).values  # [sampled, max k] descending
+        k = torch.tensor(top_k, device=device)
+        threshold = kth.gather(1, (k - 1).clamp(min=0)[:, None])  # [sampled, 1]
+        threshold = torch.where(k[:, None] > 0, threshold, float("-inf"))
+        scores = scores.masked_fill(scores < threshold, float("-inf"))
+    top_p = [p.top_p for p in chosen]
+    if min(top_p) < 1.0:
+        probs = torch.softmax(scores, dim=-1)
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        cumulative = torch.cumsum(sorted_probs, dim=-1)
         # keep the smallest set whose mass reaches top_p (the first token always stays)
-        drop_sorted = (cumulative - sorted_probs) >= p.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum()
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+        limit = torch.tensor(top_p, device=device)[:, None]
+        drop_sorted = (cumulative - sorted_probs) >= limit
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    noise = gumbel_noise(
+        torch.tensor([keys[row] for row in sampled], device=device), scores.shape[1]
+    )
+    tokens[index] = torch.argmax(scores + noise, dim=-1)
+    return tokens

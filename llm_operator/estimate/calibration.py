@@ -103,7 +103,7 @@ def schedule_settings(op, backend) -> ScheduleSettings:
     """How ``backend`` (the operator's, loaded) batches a plan: its token budget,
     running-row limit and KV blocks (native and hf: the budget, cut to each plan's need;
     vLLM: its engine's pool, reusing whole cached blocks)."""
-    config = op.config
+    config = backend.engine_config  # its batch sizes resolved for the device
     if backend.name == "vllm":
         engine = backend.engine()
         options = backend.engine_options()
@@ -154,7 +154,7 @@ def calibration_key(op, backend) -> dict[str, Any]:
 
     from llm_operator import __version__
 
-    config = op.config
+    config = backend.engine_config  # its batch sizes resolved for the device
     model_path = Path(op.model.path)
     config_file = model_path / "config.json"
     try:

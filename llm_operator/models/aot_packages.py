@@ -6,11 +6,19 @@ package's C++ runner executes it: no dynamo guards, no Python wrapper around the
 Packages live in ``<inductor cache dir>/llm_operator_fused`` (``TORCHINDUCTOR_CACHE_DIR``,
 default ``/tmp/torchinductor_<user>``), named by a hash of their key, torch's version, the
 machine (CPU vector ISA or GPU model) and the source files they are built from.
+
+No package is loaded into this process before it is proven in a child process
+(``llm_operator.kernels.artifact_proof``): the child loads it, runs it on random inputs
+shaped like the build's (1 and 7 rows), and compares its outputs with the eager module's;
+the verdict is cached beside the package, once per machine kind. A package that crashes,
+hangs or disagrees there raises ``PackageProofError`` here instead of taking the process
+down (``fused.CompiledOps`` then runs every region eagerly, after one RuntimeWarning).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import platform
 import threading
@@ -23,8 +31,24 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from llm_operator.kernels import artifact_proof
+
 # A package's runner: the module's tensor inputs, in order -> its outputs, flattened.
 Runner = Callable[[list[Tensor]], list[Tensor]]
+# The eager module a package is checked against in its proof: ("module:Class", init args).
+Reference = tuple[str, Sequence[Any]]
+PROBE = "llm_operator.models.aot_packages:prove_package"
+# A package's outputs against its eager module's on the proof's random inputs: rounding
+# apart (bf16/fp16: a couple of ulp), they agree.
+PROOF_TOLERANCE: dict[str, dict[str, float]] = {
+    "float32": {"atol": 1e-4, "rtol": 1e-4},
+    "float16": {"atol": 4e-3, "rtol": 4e-3},
+    "bfloat16": {"atol": 3.2e-2, "rtol": 3.2e-2},
+}
+
+
+class PackageProofError(RuntimeError):
+    """A package failed its proof in a child process, so it was not loaded here."""
 
 
 class PackageCache:
@@ -36,7 +60,9 @@ class PackageCache:
     any number of rows >= 1; every other size is fixed), compiles it with
     ``emulate_precision_casts`` (bf16/fp16 rounded where eager rounds) and, on the CPU,
     ``threads`` OpenMP threads (1: no parallel region), unless the directory already holds
-    the package. Runners trust their inputs: contiguous, of the built dtype, device and
+    the package. Before loading it, proves it in a child process (module docstring;
+    ``reference``: the eager module to compare with there, else it only has to run) and
+    raises ``PackageProofError`` when that fails. Runners trust their inputs: contiguous, of the built dtype, device and
     fixed sizes; callers check. ``log``: (key, "compiled" or "loaded", seconds). Builds
     are serialized in a process; across processes a package is written to a temporary
     name and renamed, so readers see whole files.
@@ -50,7 +76,14 @@ class PackageCache:
         self._lock = threading.Lock()
         self._digest: str | None = None
 
-    def build(self, key: tuple, module: nn.Module, args: Sequence[Tensor], threads: int) -> Runner:
+    def build(
+        self,
+        key: tuple,
+        module: nn.Module,
+        args: Sequence[Tensor],
+        threads: int,
+        reference: Reference | None = None,
+    ) -> Runner:
         """The runner for ``key``: loaded, or built first (see the class docstring)."""
         import torch._inductor
 
@@ -65,6 +98,8 @@ class PackageCache:
                 self._compile(path, module, args, threads)
                 action = "compiled"
             index = device.index if device.type == "cuda" and device.index is not None else -1
+            _prove(path, args, reference, device, index)
+            artifact_proof.announce_load("the AOTInductor package", path)
             runner = torch._inductor.aoti_load_package(str(path), device_index=index).loader.run
             self.runners[key] = runner
             self.log.append((key, action, time.perf_counter() - started))
@@ -100,6 +135,95 @@ class PackageCache:
         root = self.directory or Path(cache_dir()) / "llm_operator_fused"
         identity = repr((key, torch.__version__, self._digest, _machine(device)))
         return root / f"{key[0]}-{hashlib.sha256(identity.encode()).hexdigest()[:24]}.pt2"
+
+
+def _prove(
+    path: Path,
+    args: Sequence[Tensor],
+    reference: Reference | None,
+    device: torch.device,
+    index: int,
+) -> None:
+    """Raise PackageProofError unless ``path`` passed ``prove_package`` in a child process."""
+    where = "cpu" if device.type == "cpu" else (f"cuda:{index}" if index >= 0 else "cuda")
+    arguments = {
+        "path": str(path),
+        "inputs": [_input_spec(a) for a in args],
+        "reference": None if reference is None else reference[0],
+        "init": [] if reference is None else list(reference[1]),
+        "device": where,
+        "device_index": index,
+    }
+    verdict = artifact_proof.prove(
+        f"AOTInductor package {path.name}", PROBE, arguments, artifact=path, device=where
+    )
+    if not verdict.passed:
+        raise PackageProofError(
+            f"{path.name} failed its proof, so it is not loaded: {verdict.reason} "
+            f"(verdict in {verdict.path}; delete it to prove the package again)"
+        )
+
+
+def _input_spec(arg: Tensor) -> dict[str, Any]:
+    """What the proof makes an input of: its shape (a 2-D input's rows None: the package
+    takes any count, and the verdict must not depend on the first call's) and dtype."""
+    shape: list[int | None] = list(arg.shape)
+    if arg.dim() == 2:
+        shape[0] = None
+    return {"shape": shape, "dtype": str(arg.dtype).removeprefix("torch.")}
+
+
+def prove_package(
+    path: str,
+    inputs: list[dict[str, Any]],
+    reference: str | None,
+    init: list[Any],
+    device: str,
+    device_index: int,
+) -> str | None:
+    """The proof of one package, run in a child process (``artifact_proof``): load it, run
+    it on random inputs shaped like ``inputs`` ({"shape", "dtype"}; 2-D ones with 1 and 7
+    rows) on ``device``, and compare with ``reference``'s module ("module:Class", built
+    from ``init``) within ``PROOF_TOLERANCE``. None when it agrees, else the first
+    disagreement."""
+    import torch._inductor
+
+    target = torch.device(device)
+    if target.type == "cuda" and target.index is not None:
+        torch.cuda.set_device(target)
+    runner = torch._inductor.aoti_load_package(path, device_index=device_index).loader.run
+    eager = None
+    if reference is not None:
+        module_name, _, class_name = reference.partition(":")
+        eager = getattr(importlib.import_module(module_name), class_name)(*init)
+    generator = torch.Generator().manual_seed(20240917)
+    for rows in (1, 7):
+        tensors = []
+        for spec in inputs:
+            shape = [rows, *spec["shape"][1:]] if len(spec["shape"]) == 2 else spec["shape"]
+            dtype = getattr(torch, spec["dtype"])
+            tensors.append(torch.randn(shape, generator=generator).to(dtype).to(target))
+        with torch.inference_mode():
+            got = list(runner(tensors))
+            want = None if eager is None else eager(*tensors)
+            if target.type == "cuda":
+                torch.cuda.synchronize(target)
+        if want is None:
+            continue
+        want = list(want) if isinstance(want, (tuple, list)) else [want]
+        if len(got) != len(want):
+            return f"{len(got)} outputs on {rows} rows, the eager module has {len(want)}"
+        for number, (actual, expected) in enumerate(zip(got, want)):
+            if actual.shape != expected.shape or actual.dtype != expected.dtype:
+                return (
+                    f"output {number} on {rows} rows is {actual.dtype} {list(actual.shape)}, "
+                    f"eager's {expected.dtype} {list(expected.shape)}"
+                )
+            tolerance = PROOF_TOLERANCE.get(str(expected.dtype).split(".")[-1], {})
+            if not torch.allclose(actual, expected, equal_nan=True, **tolerance):
+                error = (actual.float() - expected.float()).abs().nan_to_num(float("inf")).max()
+                return f"output {number} on {rows} rows differs from eager by up to {error:.3g}"
+    return None
 
 
 def _examples(args: Sequence[Tensor], tokens: int) -> tuple[tuple[Tensor, ...], tuple]:

@@ -18,7 +18,10 @@ with the token count dynamic (1 included), and runs through the package's C++ ru
 ~2-8 us a call on a 2-core CPU. (``torch.compile``'s guards and Python wrappers cost ~20 us
 a call there, more than the ~2 us dispatches a region saves: decode steps got slower.)
 Packages are cached under inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR``): built
-once per machine in ~5 s each, loaded by later processes in milliseconds.
+once per machine in ~5 s each, loaded by later processes in milliseconds. Each is proven
+in a child process before its first load (``aot_packages``: loaded, run and compared with
+its region's eager module; a few seconds once per machine kind, the verdict cached beside
+the package), so a package that would crash the process falls back to eager instead.
 
 Numerics: inductor's ``emulate_precision_casts`` keeps every bf16/fp16 rounding eager
 makes, so those outputs are bitwise equal but for rare flips of RMSNorm outputs by one or
@@ -30,10 +33,15 @@ On the CPU each region has two builds: one thread (no OpenMP region: small input
 decode steps) and ``torch.get_num_threads()`` threads for inputs of at least
 ``PARALLEL_MIN_ELEMENTS`` elements (prefill chunks).
 
-``LLM_OPERATOR_COMPILE``: ``auto`` (default: compiled on CUDA, and on the CPU for fp32 and
-bf16), ``1``/``on`` (compiled for any device and dtype), ``0``/``off`` (eager). If compiling,
-loading or running a compiled region raises, every region runs eagerly for the rest of the
-process, after one RuntimeWarning naming the error.
+``LLM_OPERATOR_COMPILE``: ``auto`` (default: the Triton kernels on CUDA, compiled on the CPU
+for fp32 and bf16), ``1``/``on`` (Triton on CUDA, compiled for any other device and dtype),
+``0``/``off`` (eager everywhere). On CUDA the regions are Triton kernels, one launch each
+(``models/triton_ops.py``, ``kernels/triton_fused.py``), never these packages (loading one
+crashed the process there, issue 29); eager where Triton is missing. CPU tensors take the
+Triton kernels too when ``LLM_OPERATOR_KERNELS=triton`` and the Triton interpreter runs them
+(``TRITON_INTERPRET=1``): how the tests run the CUDA path on a CPU. If compiling, loading or
+running a compiled region (or a Triton kernel) raises, every region runs eagerly for the rest
+of the process, after one RuntimeWarning naming the error (a failed proof included).
 """
 
 from __future__ import annotations
@@ -108,7 +116,12 @@ def silu_mul(gate_up: Tensor) -> Tensor:
 
 
 class FusedOps:
-    """The three regions, eagerly (this class) or compiled (``CompiledOps``): same contract."""
+    """The three regions, and the first layer's input norm (``rms_norm``), eagerly (this
+    class), compiled (``CompiledOps``) or as Triton kernels (``triton_ops.TritonOps``): same
+    contract."""
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return rms_norm(x, weight, eps)
 
     def add_rms_norm(
         self, hidden: Tensor, delta: Tensor, weight: Tensor, eps: float
@@ -280,7 +293,8 @@ class CompiledOps(FusedOps):
         try:
             runner = self.packages.runners.get(key)
             if runner is None:
-                runner = self.packages.build(key, module(*init), args, threads)
+                reference = (f"{module.__module__}:{module.__qualname__}", init)
+                runner = self.packages.build(key, module(*init), args, threads, reference)
             return runner(args)
         except Exception as error:  # noqa: BLE001 - any compiler, loader or runtime failure
             FALLBACK.fail(error)
@@ -311,13 +325,27 @@ def compile_mode() -> str:
 
 
 def fused_ops(device: torch.device, dtype: torch.dtype) -> FusedOps:
-    """The regions for a forward on ``device`` in ``dtype``: COMPILED_OPS unless the mode,
-    the device, the dtype or an earlier failure says EAGER_OPS."""
+    """The regions for a forward on ``device`` in ``dtype``: EAGER_OPS when the mode is off;
+    ``triton_ops.TRITON_OPS`` on CUDA (EAGER_OPS without Triton or after a kernel failed),
+    and for CPU tensors when ``LLM_OPERATOR_KERNELS=triton`` under the Triton interpreter;
+    else COMPILED_OPS unless the mode, the device, the dtype or an earlier failure says
+    EAGER_OPS."""
     mode = compile_mode()
-    if mode == "off" or FALLBACK.failed:
+    if mode == "off":
         return EAGER_OPS
-    if mode == "auto" and not (
-        device.type == "cuda" or (device.type == "cpu" and dtype in _AUTO_CPU_DTYPES)
-    ):
+    forced = os.environ.get("LLM_OPERATOR_KERNELS", "").strip().lower()  # kernels/__init__.py
+    if device.type == "cuda" or forced == "triton":
+        try:
+            from llm_operator.models.triton_ops import triton_ops_for
+        except ImportError:  # no Triton: the CPU carries on below, CUDA runs eagerly
+            triton_ops_for = None
+        triton_ops = None if triton_ops_for is None else triton_ops_for(device)
+        if triton_ops is not None:
+            return triton_ops
+        if device.type == "cuda":  # never the AOT packages there
+            return EAGER_OPS
+    if FALLBACK.failed:
+        return EAGER_OPS
+    if mode == "auto" and not (device.type == "cpu" and dtype in _AUTO_CPU_DTYPES):
         return EAGER_OPS
     return COMPILED_OPS

@@ -41,6 +41,10 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # attention(layer_index, q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim],
 #           v [T, num_kv_heads, head_dim]) -> [T, num_heads, head_dim]; q, k, v contiguous.
+# It may also have ``cache(layer) -> (k_cache, v_cache, slot_mapping)`` (the reference
+# paged layout) and ``attend(layer, q) -> out``: with elementwise ops that have
+# ``qkv_rope_store`` (Triton), a layer then stores k and v in the same launch as RoPE
+# and calls ``attend`` (engine/native/step_builder.py ``StepAttention``).
 AttentionFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
@@ -201,13 +205,13 @@ class DecoderLayer(nn.Module):
         config = self.config
         tokens = hidden.shape[0]
         eps = config.rms_norm_eps
-        if delta is None:  # the first layer: once per forward, eager
-            normed = fused.rms_norm(hidden, self.input_layernorm.weight, eps)
+        if delta is None:  # the first layer: once per forward
+            normed = ops.rms_norm(hidden, self.input_layernorm.weight, eps)
         else:
             hidden, normed = ops.add_rms_norm(hidden, delta, self.input_layernorm.weight, eps)
         qkv = self.qkv_proj(normed)  # [T, (heads + 2 * kv_heads) * dim]
         q_norm, k_norm = self.q_norm, self.k_norm
-        q, k, v = ops.qkv_rope(
+        rope = (
             qkv,
             cos,
             sin,
@@ -217,8 +221,16 @@ class DecoderLayer(nn.Module):
             config.num_heads,
             config.num_kv_heads,
             config.head_dim,
-        )  # q: [T, heads, dim]; k, v: [T, kv_heads, dim]; contiguous
-        out = attention(self.layer_index, q, k, v)  # [T, heads, dim]
+        )
+        rope_store = getattr(ops, "qkv_rope_store", None)
+        cache = getattr(attention, "cache", None)
+        if rope_store is not None and cache is not None:
+            # one launch splits qkv, rotates q and k and stores k, v in the paged cache
+            q = rope_store(*rope, *cache(self.layer_index))[0]  # q: [T, heads, dim]
+            out = attention.attend(self.layer_index, q)  # [T, heads, dim]
+        else:
+            q, k, v = ops.qkv_rope(*rope)  # q: [T, heads, dim]; k, v: [T, kv_heads, dim]
+            out = attention(self.layer_index, q, k, v)  # [T, heads, dim]
         assert out.shape == q.shape, f"attention returned {tuple(out.shape)}, want {tuple(q.shape)}"
         attended = self.o_proj(out.reshape(tokens, config.num_heads * config.head_dim))
         hidden, normed = ops.add_rms_norm(

@@ -26,25 +26,16 @@ import torch
 from llm_operator import kernels
 from llm_operator.config import EngineConfig
 from llm_operator.engine.native.block_manager import BlockManager
+from llm_operator.engine.native.decode_graphs import DecodeGraphs
 from llm_operator.engine.native.op_profile import OpProfile, TimedOps, profiling_requested
 from llm_operator.engine.native.scheduler import ScheduledChunk, Scheduler
+from llm_operator.engine.native.step_builder import StepAttention, StepBatch, StepBuilder
 from llm_operator.engine.run import Run
 from llm_operator.models import fused
 from llm_operator.models.cpu_decoder import TIMED_KINDS, CompiledDecoder
 from llm_operator.models.gemm import DEFAULT_GEMM
 from llm_operator.models.llama import Linear, LlamaModel
 from llm_operator.planner import Plan
-
-
-@dataclass
-class StepBatch:
-    """One iteration's inputs, built once on the host and read by every layer."""
-
-    input_ids: torch.Tensor  # [tokens] int64: every scheduled chunk's tokens, packed
-    positions: torch.Tensor  # [tokens] int64: each token's position in its sequence
-    attention: Callable  # attention(layer, q, k, v) -> out: stores K/V, attends, merges
-    step: kernels.AttentionStep  # the step's attention layout (the compiled decoder's input)
-    last_rows: torch.Tensor  # [sampled chunks] int64: the row whose logits are sampled
 
 
 @dataclass
@@ -59,8 +50,12 @@ class RunProfile:
     steps: list[tuple[int, int, float]] = field(default_factory=list)
     """(tokens, rows sampled, seconds) of each iteration: decode-only when the first two
     are equal."""
+    host: list[float] = field(default_factory=list)
+    """Each iteration's host seconds: scheduling, building its batch and handing the
+    sampled tokens over (the model, the head and sampling on the device excluded)."""
     ops: list[dict[str, float]] | None = None
     """With ``LLM_OPERATOR_PROFILE_OPS=1``: each iteration's seconds by kind of work."""
+    graph_steps: int = 0  # decode steps run through DecodeGraphs (CUDA graphs)
     preemptions: int = 0
     segment_evictions: int = 0
     max_running: int = 0
@@ -97,6 +92,7 @@ class NativeBackend:
         self.last_profile: RunProfile | None = None  # of the last run
         # (implementation, num_blocks, k caches, v caches): the KV pool, kept across runs
         self._pool: tuple[str, int, list, list] | None = None
+        self._graphs: DecodeGraphs | None = None  # of the pool's caches (decode_graphs)
         self.decoder: CompiledDecoder | None = None
         if self.device.type == "cpu":  # pack the weights, time each linear shape's GEMMs once
             max_batched_tokens = engine_config.prefill_batch_tokens
@@ -157,6 +153,43 @@ class NativeBackend:
     def release_kv_pool(self) -> None:
         """Free the KV pool kept between runs (the next run allocates its own)."""
         self._pool = None
+        self._graphs = None
+
+    # -- decode graphs ----------------------------------------------------------------
+    def graphs_wanted(self, implementation: str) -> bool:
+        """Whether decode steps go through ``DecodeGraphs``: ``cuda_graphs`` "auto" on
+        CUDA, "on" anywhere the Triton kernels run (on the CPU, under the interpreter:
+        the static buffers replayed eagerly, a test of the graph path). Never with op
+        profiling. ValueError for "on" without the Triton kernels."""
+        mode = self.engine_config.cuda_graphs
+        if mode == "off" or self.op_profile is not None:
+            return False
+        if implementation != "triton":
+            if mode == "on":
+                raise ValueError(
+                    f"cuda_graphs='on' needs the Triton kernels (a CUDA device; or, for "
+                    f"tests, LLM_OPERATOR_KERNELS=triton with TRITON_INTERPRET=1), but "
+                    f"{self.device} runs the {implementation!r} kernels; use "
+                    "cuda_graphs='auto' or 'off'"
+                )
+            return False
+        return mode == "on" or self.device.type == "cuda"
+
+    def decode_graphs(self, k_cache: list, v_cache: list) -> DecodeGraphs:
+        """The graphs of the current KV pool (recorded graphs outlive a run; a new pool
+        starts new ones)."""
+        if self._graphs is None or self._graphs.k_cache is not k_cache:
+            config = self.engine_config
+            self._graphs = DecodeGraphs(
+                self.model,
+                k_cache,
+                v_cache,
+                max_rows=min(config.max_batch_size, config.prefill_batch_tokens),
+                block_size=self.block_size,
+                pool_blocks=self._pool[1],
+                capture=self.device.type == "cuda",
+            )
+        return self._graphs
 
     # -- a run -----------------------------------------------------------------------
     def start(self, run: Run) -> _NativeSteps:
@@ -196,98 +229,37 @@ class _NativeSteps:
         self.scheduler = Scheduler.from_config(
             plan, BlockManager(num_blocks, backend.block_size), backend.engine_config
         )
+        self.builder = StepBuilder(
+            block_size=backend.block_size,
+            pool_blocks=self.pool_blocks,
+            device=backend.device,
+            implementation=self.implementation,
+            segment_blocks=self.scheduler.segment_blocks,
+            segment_length=self.scheduler.segment_length,
+        )
+        self.graphs = None  # DecodeGraphs for decode-only steps (backend.graphs_wanted)
+        if backend.graphs_wanted(self.implementation):
+            self.graphs = backend.decode_graphs(self.k_cache, self.v_cache)
         self.reported = 0  # scheduler.rejected already failed in the run
         self.profile = backend.last_profile = RunProfile(num_blocks=num_blocks)
 
     # -- one iteration's tensors -------------------------------------------------------
-    def _batch(self, chunks: list[ScheduledChunk]) -> StepBatch:
-        """Token-packed inputs, slots and the step's attention layout, built once on the
-        host and reused by every layer: one own-attention batch, and the shared prefixes
-        as one chain batch (torch path) or one prefix batch per level of the segment
-        chains (Triton; a row reads at most one segment per level)."""
-        backend, scheduler = self.backend, self.scheduler
-        bs = backend.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        context_lens: list[int] = []
-        tables: list[list[int]] = []
-        chains: dict[tuple[int, ...], list[int]] = {}  # whole chain -> q rows
-        last_rows: list[int] = []  # the last row of each sampled chunk, in chunk order
-        for chunk in chunks:
-            seq = chunk.seq
-            begin = len(input_ids)
-            own = range(chunk.start, chunk.start + chunk.length)
-            input_ids.extend(seq.tokens[chunk.start : chunk.start + chunk.length])
-            positions.extend(seq.prefix_length + i for i in own)
-            slots.extend(seq.blocks[i // bs] * bs + i % bs for i in own)
-            query_start.append(len(input_ids))
-            context_lens.append(chunk.start + chunk.length)
-            tables.append(seq.blocks)
-            if seq.chain:
-                chains.setdefault(seq.chain, []).extend(range(begin, len(input_ids)))
-            if chunk.sample:
-                last_rows.append(len(input_ids) - 1)
-        device = backend.device
-        # the pool may hold more blocks than this run uses (a larger run allocated it)
-        shape = {"block_size": bs, "num_blocks": self.pool_blocks, "device": device}
-        own_batch = kernels.own_batch(query_start, tables, context_lens, **shape)
-        if self.implementation == "torch" and chains:
-            # torch path: a row's whole chain is one attention part (one call, one merge)
-            prefix_batches = [
-                kernels.chain_batch(
-                    list(chains.values()),
-                    [
-                        [(scheduler.segment_blocks(s), scheduler.segment_length(s)) for s in chain]
-                        for chain in chains
-                    ],
-                    num_rows=len(input_ids),
-                    **shape,
-                )
-            ]
-        else:  # one batch per level of the chains (Triton and cpp read block tables)
-            levels: list[dict[int, list[int]]] = []  # level -> segment id -> q rows
-            for chain, rows in chains.items():
-                for level, segment_id in enumerate(chain):
-                    if level == len(levels):
-                        levels.append({})
-                    levels[level].setdefault(segment_id, []).extend(rows)
-            prefix_batches = [
-                kernels.prefix_batch(
-                    list(level.values()),
-                    [scheduler.segment_blocks(s) for s in level],
-                    [scheduler.segment_length(s) for s in level],
-                    num_rows=len(input_ids),
-                    **shape,
-                )
-                for level in levels
-            ]
-        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
-        step = kernels.AttentionStep(self.implementation, own_batch, prefix_batches, slot_mapping)
-        scale, k_caches, v_caches = backend.config.scale, self.k_cache, self.v_cache
+    def _attention(self, step: kernels.AttentionStep) -> Callable:
+        """The eager forward's attention callback over this step's layout: store K/V, attend
+        over the own K/V and the shared segments, merge (timed by kind with op profiling)."""
+        scale, k_caches, v_caches = self.backend.config.scale, self.k_cache, self.v_cache
+        op_profile = self.backend.op_profile
+        if op_profile is None:
+            return StepAttention(step, k_caches, v_caches, scale)
+        store = op_profile.timed("kv_store", step.store)
+        attend = op_profile.timed("attention", step.attend)
 
-        if backend.op_profile is None:
+        def timed_attention(layer: int, q, k, v):
+            k_cache, v_cache = k_caches[layer], v_caches[layer]
+            store(k, v, k_cache, v_cache)
+            return attend(q, k_cache, v_cache, scale)
 
-            def attention(layer: int, q, k, v):
-                return step(q, k, v, k_caches[layer], v_caches[layer], scale)
-
-        else:
-            store = backend.op_profile.timed("kv_store", step.store)
-            attend = backend.op_profile.timed("attention", step.attend)
-
-            def attention(layer: int, q, k, v):
-                k_cache, v_cache = k_caches[layer], v_caches[layer]
-                store(k, v, k_cache, v_cache)
-                return attend(q, k_cache, v_cache, scale)
-
-        return StepBatch(
-            torch.tensor(input_ids, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device),
-            attention,
-            step,
-            torch.tensor(last_rows, dtype=torch.int64, device=device),
-        )
+        return timed_attention
 
     @torch.inference_mode()
     def step(self) -> bool:
@@ -305,11 +277,55 @@ class _NativeSteps:
             regions = TimedOps(fused.fused_ops(backend.device, backend.dtype), ops)
         started = step_started = time.perf_counter()
         chunks = scheduler.schedule()
-        batch = self._batch(chunks)
-        profile.schedule += time.perf_counter() - started
+        plan = self.builder.plan(chunks)
+        graphs = self.graphs
+        if graphs is not None and graphs.accepts(plan):  # a decode step: replayed
+            host = time.perf_counter() - started
+            profile.schedule += host
+            started = time.perf_counter()
+            sampled, tokens = plan.sampled, plan.num_tokens
+            ids = [c.seq.ref for c in sampled]
+            next_tokens = sample(graphs.logits(plan), ids)
+            profile.graph_steps += 1
+        else:
+            batch = self.builder.to_device(plan)
+            host = time.perf_counter() - started
+            profile.schedule += host
+            started = time.perf_counter()
+            sampled, tokens = batch.sampled, batch.num_tokens
+            hidden = self._forward(batch, regions)
+            if sampled:
+                ids = [c.seq.ref for c in sampled]
+                # the head, then every row's token on the device and one copy to the host
+                next_tokens = sample(compute_logits(hidden[batch.last_rows]), ids)
+        profile.forward += time.perf_counter() - started
         started = time.perf_counter()
-        decoder, tokens = backend.decoder, len(batch.input_ids)
-        if decoder is not None and decoder.runs(tokens, batch.step):
+        scheduler.complete(chunks)
+        if sampled:
+            self._hand_over(sampled, ids, next_tokens)
+        for request_id, message in scheduler.rejected[self.reported :]:
+            run.fail(request_id, message)
+        self.reported = len(scheduler.rejected)
+        run.prefill_tokens = scheduler.stats.prefill_tokens
+        handed_over = time.perf_counter() - started
+        profile.sample += handed_over
+        profile.host.append(host + handed_over)
+        profile.iterations += 1
+        # (tokens, rows sampled, seconds) of this iteration: decode-only when they are equal
+        seconds = time.perf_counter() - step_started
+        profile.steps.append((tokens, len(sampled), seconds))
+        if ops is not None:
+            if profile.ops is None:
+                profile.ops = []
+            profile.ops.append(ops.end(seconds))
+        return True
+
+    def _forward(self, batch: StepBatch, regions) -> torch.Tensor:
+        """The model on the step's tokens (the compiled CPU decoder where it runs): the
+        final-normed hidden states [tokens, hidden]."""
+        backend, ops = self.backend, self.backend.op_profile
+        decoder = backend.decoder
+        if decoder is not None and decoder.runs(batch.num_tokens, batch.step):
             seconds = None if ops is None else torch.zeros(len(TIMED_KINDS), dtype=torch.float64)
             hidden = decoder(
                 batch.input_ids, batch.positions, batch.step, self.k_cache, self.v_cache, seconds
@@ -317,35 +333,33 @@ class _NativeSteps:
             if ops is not None:
                 for kind, value in zip(TIMED_KINDS, seconds.tolist()):
                     ops.add(kind, value)
-        else:
-            hidden = model(batch.input_ids, batch.positions, batch.attention, regions)
-        sampled = [c for c in chunks if c.sample]
-        if sampled:
-            logits = compute_logits(hidden[batch.last_rows])
-        profile.forward += time.perf_counter() - started
-        started = time.perf_counter()
-        scheduler.complete(chunks)
-        if sampled:
-            ids = [c.seq.ref for c in sampled]
-            for chunk, request_id, token in zip(sampled, ids, sample(logits, ids)):
-                if run.append(request_id, token):
+            return hidden
+        attention = self._attention(batch.step)
+        return backend.model(batch.input_ids, batch.positions, attention, regions)
+
+    def _hand_over(self, sampled: list[ScheduledChunk], ids: list[int], tokens: list[int]) -> None:
+        """Give each sampled token to the run (stop rules), then to the scheduler: the row
+        finishes, or decodes on (with any tokens jump-forward appended: the next step
+        computes them). Rows without constraints, logprobs or stop strings go through in
+        one batch (``Run.append_plain``, ``Scheduler.append_tokens``)."""
+        run, scheduler, builder = self.run, self.scheduler, self.builder
+        if run.all_plain:
+            going_on, going_on_tokens = [], []
+            for chunk, token, finished in zip(sampled, tokens, run.append_plain(ids, tokens)):
+                if finished:
                     scheduler.finish(chunk.seq)
-                else:  # with any tokens jump-forward appended: the next step computes them
-                    scheduler.append_token(chunk.seq, token, run.jumped(request_id))
-        for request_id, message in scheduler.rejected[self.reported :]:
-            run.fail(request_id, message)
-        self.reported = len(scheduler.rejected)
-        run.prefill_tokens = scheduler.stats.prefill_tokens
-        profile.sample += time.perf_counter() - started
-        profile.iterations += 1
-        # (tokens, rows sampled, seconds) of this iteration: decode-only when they are equal
-        seconds = time.perf_counter() - step_started
-        profile.steps.append((int(batch.input_ids.shape[0]), len(sampled), seconds))
-        if ops is not None:
-            if profile.ops is None:
-                profile.ops = []
-            profile.ops.append(ops.end(seconds))
-        return True
+                    builder.release(chunk.seq)
+                else:
+                    going_on.append(chunk.seq)
+                    going_on_tokens.append(token)
+            scheduler.append_tokens(going_on, going_on_tokens)
+            return
+        for chunk, request_id, token in zip(sampled, ids, tokens):
+            if run.append(request_id, token):
+                scheduler.finish(chunk.seq)
+                builder.release(chunk.seq)
+            else:
+                scheduler.append_token(chunk.seq, token, run.jumped(request_id))
 
     def close(self) -> None:
         stats, profile = self.scheduler.stats, self.profile

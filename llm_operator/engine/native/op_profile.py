@@ -82,6 +82,9 @@ class TimedOps(FusedOps):
     def __init__(self, ops: FusedOps, profile: OpProfile) -> None:
         self.ops, self.profile = ops, profile
 
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return self.profile.timed("elementwise", self.ops.rms_norm)(x, weight, eps)
+
     def add_rms_norm(self, hidden: Tensor, delta: Tensor, weight: Tensor, eps: float):
         return self.profile.timed("elementwise", self.ops.add_rms_norm)(hidden, delta, weight, eps)
 

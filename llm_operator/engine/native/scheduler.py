@@ -55,7 +55,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from llm_operator.config import EngineConfig
+from llm_operator.config import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_BATCH_TOKENS, EngineConfig
 from llm_operator.engine.native.block_manager import BlockManager
 from llm_operator.engine.native.prefix_pins import PrefixPins
 from llm_operator.engine.native.sequence import (
@@ -98,8 +98,8 @@ class Scheduler:
         plan: Plan,
         blocks: BlockManager,
         *,
-        max_batched_tokens: int = EngineConfig.prefill_batch_tokens,
-        max_running: int = EngineConfig.max_batch_size,
+        max_batched_tokens: int = DEFAULT_PREFILL_BATCH_TOKENS,
+        max_running: int = DEFAULT_MAX_BATCH_SIZE,
         decode_reserve: float = 0.5,
         share_prefixes: bool = EngineConfig.share_prefixes,
         token_batching: bool = EngineConfig.token_batching,
@@ -137,6 +137,7 @@ class Scheduler:
         self._waiting: deque[KVSequence] = deque()  # preempted first, then fresh in plan order
         self._next_request = 0  # plan cursor: requests before it have a KVSequence
         self._running: list[KVSequence] = []  # arrival order
+        self._finished_running = 0  # requests finished since the last schedule(), still listed
         self._num_running_requests = 0
         self._num_finished = 0
         self._seq_ids = itertools.count()
@@ -169,7 +170,7 @@ class Scheduler:
     @property
     def running(self) -> tuple[KVSequence, ...]:
         """Admitted sequences still computing, oldest first (READY segments excluded)."""
-        return tuple(self._running)
+        return tuple(seq for seq in self._running if seq.status is RUNNING)
 
     def segment_sequence(self, segment_id: int) -> KVSequence | None:
         """The live KVSequence of a segment (RUNNING or READY), None when not pinned."""
@@ -185,6 +186,9 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledChunk]:
         """The next iteration's chunks; at least one while not ``done``."""
+        if self._finished_running:  # finished requests leave the running list here, at once
+            self._running = [seq for seq in self._running if seq.status is RUNNING]
+            self._finished_running = 0
         for seq in self._running:
             assert seq.kind is SEGMENT or seq.num_computed < len(seq.tokens), (
                 f"request {seq.ref} was sampled but neither append_token nor finish was called"
@@ -202,23 +206,24 @@ class Scheduler:
 
     def complete(self, chunks: Iterable[ScheduledChunk]) -> None:
         """The model stored these chunks' K/V: advance ``num_computed``; segments may turn READY."""
-        for chunk in chunks:
-            seq = chunk.seq
-            assert seq.status == RUNNING and chunk.start == seq.num_computed, (
-                f"chunk of {seq.kind} {seq.ref} at {chunk.start} does not continue at "
+        stats = self.stats
+        for seq, start, length, sample in chunks:
+            assert seq.status is RUNNING and start == seq.num_computed, (
+                f"chunk of {seq.kind} {seq.ref} at {start} does not continue at "
                 f"{seq.num_computed} (status {seq.status})"
             )
-            seq.num_computed += chunk.length
-            if chunk.is_decode:
-                self.stats.decode_tokens += 1
+            computed = seq.num_computed = start + length
+            if length == 1 and sample and start >= seq.prompt_length:  # a decode
+                stats.decode_tokens += 1
             else:
                 # a sampled token and its jump-forward tokens, computed the first time
-                first = max(chunk.start, seq.prompt_length, seq.peak)
-                jump = max(0, min(seq.num_computed, seq.jump_end) - first)
-                self.stats.jump_chunk_tokens += jump
-                self.stats.prefill_tokens += chunk.length - jump
-            seq.peak = max(seq.peak, seq.num_computed)
-            if seq.kind is SEGMENT and seq.num_computed == len(seq.tokens):
+                first = max(start, seq.prompt_length, seq.peak)
+                jump = max(0, min(computed, seq.jump_end) - first)
+                stats.jump_chunk_tokens += jump
+                stats.prefill_tokens += length - jump
+            if computed > seq.peak:
+                seq.peak = computed
+            if seq.kind is SEGMENT and computed == len(seq.tokens):
                 seq.status = READY
                 self._running.remove(seq)
 
@@ -234,6 +239,14 @@ class Scheduler:
         if len(seq.tokens) > before:
             seq.jump_end = len(seq.tokens)
 
+    def append_tokens(self, seqs: Iterable[KVSequence], tokens: Iterable[int]) -> None:
+        """``append_token`` for many decoding requests at once, without forced tokens."""
+        for seq, token in zip(seqs, tokens):
+            assert seq.status is RUNNING and seq.num_computed == len(seq.tokens), (
+                f"request {seq.ref} was not sampled or is not running"
+            )
+            seq.tokens.append(token)
+
     def finish(self, seq: KVSequence) -> None:
         """A running request is done: free its blocks and unpin segments it was last to need."""
         assert seq.kind is REQUEST and seq.status == RUNNING, f"request {seq.ref} not running"
@@ -245,14 +258,20 @@ class Scheduler:
     def _build_iteration(self) -> list[ScheduledChunk]:
         chunks: list[ScheduledChunk] = []
         scheduled: set[KVSequence] = set()
-        for seq in list(self._running):
+        block_size = self.blocks.block_size
+        for seq in list(self._running):  # a preemption below may shorten the list
+            computed = seq.num_computed
             if (
-                seq.status == RUNNING
-                and self._is_decode(seq)
-                and self._decode_block(seq, scheduled)
+                seq.kind is not REQUEST
+                or seq.status is not RUNNING
+                or computed < seq.prompt_length
+                or len(seq.tokens) - computed != 1
             ):
-                chunks.append(ScheduledChunk(seq, seq.num_computed, 1, True))
-                scheduled.add(seq)
+                continue  # not a decode (a segment, a prefill, preempted)
+            if computed >= len(seq.blocks) * block_size and not self._decode_block(seq, scheduled):
+                continue  # needed a block and was preempted for it
+            chunks.append(ScheduledChunk(seq, computed, 1, True))
+            scheduled.add(seq)
         budget = self.max_batched_tokens - len(chunks)
         assert budget >= 0, "more running decodes than max_batched_tokens"
         for seq in list(self._running):
@@ -263,6 +282,7 @@ class Scheduler:
                 budget -= chunk.length
         if not self.token_batching and self._num_running_requests == 0:
             self._wave_open = True
+        committed: int | None = None  # blocks running requests still need (``_fits``)
         while budget > 0 and self._wave_open:
             seq = self._peek_waiting()
             if seq is None or self._num_running_requests >= self.max_running:
@@ -271,13 +291,17 @@ class Scheduler:
             if (message := self._never_fits(seq)) is not None:
                 self._reject(seq, message)
                 continue
-            if not self._fits(seq):
+            if committed is None and self._num_running_requests:
+                committed = self._committed()
+            if not self._fits(seq, committed):
                 self._wave_open = self.token_batching
                 break
             for admitted in self._admit(seq):
                 if budget > 0 and (chunk := self._prefill_chunk(admitted, budget)):
                     chunks.append(chunk)
                     budget -= chunk.length
+            # only the admitted request's own need changed (its segments are not requests)
+            committed = (committed or 0) + max(0, self._target_blocks(seq) - len(seq.blocks))
         return chunks
 
     def _is_decode(self, seq: KVSequence) -> bool:
@@ -360,16 +384,23 @@ class Scheduler:
         remaining = max(0, seq.max_tokens - seq.num_generated)
         return self.blocks.blocks_for(len(seq.tokens) + math.ceil(self.decode_reserve * remaining))
 
-    def _fits(self, seq: KVSequence) -> bool:
+    def _committed(self) -> int:
+        """Blocks the running requests may still take (to their ``_target_blocks``)."""
+        return sum(
+            max(0, self._target_blocks(r) - len(r.blocks))
+            for r in self._running
+            if r.kind is REQUEST and r.status is RUNNING
+        )
+
+    def _fits(self, seq: KVSequence, committed: int | None = None) -> bool:
+        """Whether waiting ``seq`` may be admitted now. ``committed``: ``_committed()``
+        when the caller has it."""
         new_segments = self._pins.chain_blocks(seq.chain, missing_only=True)
         if self._num_running_requests == 0:
             least = min(self._target_blocks(seq), self.blocks.blocks_for(len(seq.tokens) + 1))
             return new_segments + least <= self.blocks.num_free
-        committed = sum(
-            max(0, self._target_blocks(r) - len(r.blocks))
-            for r in self._running
-            if r.kind is REQUEST
-        )
+        if committed is None:
+            committed = self._committed()
         return new_segments + self._target_blocks(seq) + committed <= self.blocks.num_free
 
     def _admit(self, seq: KVSequence) -> list[KVSequence]:
@@ -454,8 +485,8 @@ class Scheduler:
         self.rejected.append((seq.ref, message))
 
     def _release_request(self, seq: KVSequence) -> None:
-        if seq.status == RUNNING:
-            self._running.remove(seq)
+        if seq.status is RUNNING:  # leaves self._running at the next schedule()
+            self._finished_running += 1
             self._num_running_requests -= 1
         self.blocks.free(seq.blocks)
         seq.blocks, seq.status = [], FINISHED

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 
 class Status(str, Enum):
@@ -29,7 +30,7 @@ WAITING, RUNNING, READY, FINISHED = Status.WAITING, Status.RUNNING, Status.READY
 SEGMENT, REQUEST = Kind.SEGMENT, Kind.REQUEST
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class KVSequence:
     """One plan segment (prefilled once, then pinned) or one request (prefill, then decode)."""
 
@@ -47,6 +48,12 @@ class KVSequence:
     status: Status = WAITING
     peak: int = 0  # the most own tokens ever computed (a preempted request recomputes below)
     jump_end: int = 0  # own tokens up to the last jump-forward token appended (0: none)
+    # the step builder's copy of ``blocks`` (``StepBuilder``): its row of the host block
+    # table, and the list object and length last copied there (a preemption replaces the
+    # list, so a re-admitted sequence is copied again from its first block)
+    table_row: int = -1
+    synced_blocks: list[int] | None = None
+    synced_count: int = 0
 
     @classmethod
     def waiting(cls, seq_id: int, kind: Kind, ref: int, chain: tuple[int, ...], prefix_length: int,
@@ -62,9 +69,9 @@ class KVSequence:
         return len(self.tokens) - self.prompt_length
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """Own tokens ``seq.tokens[start:start+length]`` to compute this iteration."""
+class ScheduledChunk(NamedTuple):
+    """Own tokens ``seq.tokens[start:start+length]`` to compute this iteration (a tuple:
+    a step builds up to a thousand of them, and a tuple is the cheapest record)."""
 
     seq: KVSequence
     start: int  # == seq.num_computed when scheduled

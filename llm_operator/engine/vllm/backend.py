@@ -276,8 +276,8 @@ class _Steps:
         blocks = -(-(prompt + max_tokens) // self.block_size)
         if request.forced is not None:  # scored: prompt + forced tokens, like its growth
             return _Member(planned, None, blocks)
-        generator = request.generator
-        seed = None if generator is None or request.params.greedy else generator.initial_seed()
+        # a seeded row passes its derived seed (the same in any batch); an unseeded one none
+        seed = None if request.params.seed is None or request.params.greedy else request.seed
         params = sampling_params(
             request.params,
             max_tokens=max_tokens,

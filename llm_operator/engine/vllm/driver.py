@@ -61,7 +61,7 @@ import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from llm_operator.config import EngineConfig
+from llm_operator.config import DEFAULT_MAX_BATCH_SIZE
 
 if TYPE_CHECKING:
     from llm_operator.sampling import SamplingParams
@@ -130,7 +130,7 @@ def llm_kwargs(
     kv_cache_bytes: int | None = None,
     trust_remote_code: bool = False,
     batch_job: bool = True,
-    max_num_seqs: int = EngineConfig.max_batch_size,
+    max_num_seqs: int = DEFAULT_MAX_BATCH_SIZE,
     tensor_parallel_size: int | None = None,
     pipeline_parallel_size: int | None = None,
     gpu_share: float | None = None,

@@ -1,0 +1,303 @@
+"""Decode steps replayed as CUDA graphs, one per bucket of rows (as vLLM and SGLang do).
+
+A decode step of a small model is hundreds of kernel launches of a few microseconds each:
+the GPU waits for the host. A graph records one step's launches once and replays them in
+one call. A graph replays fixed shapes at fixed addresses, so each bucket of rows has its
+static buffers (``_Static``), refilled from the step's host arrays before each replay with
+one host-to-device copy:
+
+    arena (int32, one copy per replay; region map in ``_Layout``):
+      [ input ids R | positions R | KV slots R | own: query_start R+1, context R,
+        tables R x W, work R x 6 | per level: rows R, row_start S+1, lengths S,
+        tables S x Ws, work X x 6 ]
+
+The rows of a bucket past the step's (padding) get token 0 at position 0, slot -1 (the
+K/V store skips it), no own keys and no segment (their outputs are dropped). Work items
+past the step's have count 0: their programs do nothing. The kernels' launch plans are
+preset on the static batches (``triton_attention.preset_plan``), so recording launches
+nothing that reads the host.
+
+A graph's key is everything its launches depend on: the bucket, the own table width, and
+per chain level the segment capacity, table width, work capacity, tile shape and key splits
+(capacities rounded up to powers of two, so a job sees a handful of keys). Graphs are
+recorded lazily, at a key's first step: a warm-up run on a side stream (Triton compiles),
+the capture, then the replay.
+
+``capture=False`` runs the same static buffers eagerly at every step: the CPU path of the
+tests (``LLM_OPERATOR_KERNELS=triton`` under the Triton interpreter), which checks the
+padding and the static layout against the eager engine and Hugging Face.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from llm_operator import kernels
+from llm_operator.engine.native.step_builder import HostStep, StepAttention
+from llm_operator.kernels import triton_attention as triton_kernels
+from llm_operator.models.llama import LlamaModel
+
+
+def buckets(max_rows: int) -> list[int]:
+    """Row counts a graph is recorded for: 1, 2, 4, 8, then steps of 8 to 64, 16 to 256,
+    64 to 1024 and 128 beyond, up to the first at or above ``max_rows``."""
+    sizes, size = [], 1
+    while True:
+        sizes.append(size)
+        if size >= max_rows:
+            return sizes
+        step = 8 if size < 64 else 16 if size < 256 else 64 if size < 1024 else 128
+        size = size * 2 if size < 8 else size + step
+
+
+def _capacity(count: int) -> int:
+    return 1 << max(0, int(count) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class _LevelKey:
+    segments: int  # segment capacity S
+    width: int  # segment table width
+    work: int  # work item capacity
+    config: tuple  # BLOCK_M, BLOCK_N, BLOCK_D, warps, stages
+    splits: int
+
+
+@dataclass
+class _Layout:
+    """Offsets of each region of a graph's int32 arena (see the module docstring)."""
+
+    size: int
+    regions: dict[str, tuple[int, tuple[int, ...]]]
+
+    @classmethod
+    def of(cls, rows: int, width: int, levels: tuple[_LevelKey, ...]) -> _Layout:
+        regions: dict[str, tuple[int, tuple[int, ...]]] = {}
+        offset = 0
+
+        def add(name: str, *shape: int) -> None:
+            nonlocal offset
+            regions[name] = (offset, shape)
+            offset += int(np.prod(shape))
+
+        for name in ("input_ids", "positions", "slots", "context"):
+            add(name, rows)
+        add("query_start", rows + 1)
+        add("own_tables", rows, width)
+        add("own_work", rows, 6)
+        for index, level in enumerate(levels):
+            add(f"rows{index}", rows)
+            add(f"row_start{index}", level.segments + 1)
+            add(f"lengths{index}", level.segments)
+            add(f"tables{index}", level.segments, level.width)
+            add(f"work{index}", level.work, 6)
+        return cls(offset, regions)
+
+    def view(self, arena, name: str):
+        offset, shape = self.regions[name]
+        return arena[offset : offset + int(np.prod(shape))].reshape(shape)
+
+
+@dataclass
+class _Static:
+    """One graph: its arena (host and device), static attention step and output."""
+
+    layout: _Layout
+    host: torch.Tensor  # int32 arena, pinned on CUDA
+    arena: torch.Tensor  # int32 arena on the device
+    step: kernels.AttentionStep
+    logits: torch.Tensor | None = None  # [rows, vocab] float32: the recorded output
+    graph: object = None  # torch.cuda.CUDAGraph once recorded
+
+
+class DecodeGraphs:
+    """Runs decode-only steps of one KV pool through per-bucket graphs.
+
+    Contract: ``accepts(host)`` says whether a step can run here (decode only, at most
+    ``max_rows`` rows); ``logits(host)`` returns the step's logits [rows, vocab] float32,
+    the same as the eager forward and ``model.compute_logits`` of every row would, after
+    storing the step's K/V. The caches and the model must not move while this object lives.
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        k_cache: list[torch.Tensor],
+        v_cache: list[torch.Tensor],
+        *,
+        max_rows: int,
+        block_size: int,
+        pool_blocks: int,
+        capture: bool,
+    ) -> None:
+        self.model, self.k_cache, self.v_cache = model, k_cache, v_cache
+        self.buckets = buckets(max_rows)
+        self.block_size, self.pool_blocks, self.capture = block_size, pool_blocks, capture
+        parameter = next(model.parameters())
+        self.device, self.dtype = parameter.device, parameter.dtype
+        config = model.config
+        self.heads = (config.num_heads, config.num_kv_heads, config.head_dim)
+        self.group = config.num_heads // config.num_kv_heads
+        self.graphs: dict[tuple, _Static] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.replays = 0  # steps run through a graph (or its eager stand-in)
+
+    def accepts(self, host: HostStep) -> bool:
+        return host.decode_only and host.num_tokens <= self.buckets[-1]
+
+    # -- a step ------------------------------------------------------------------------
+    def logits(self, host: HostStep) -> torch.Tensor:
+        count = host.num_tokens
+        rows = next(size for size in self.buckets if size >= count)
+        own_config = triton_kernels.tile_config(self.dtype, self.heads[2], 1, self.group)
+        own_items = triton_kernels.own_work(
+            host.query_start, host.context_lens, own_config[0] // self.group
+        )
+        level_items, level_keys = [], []
+        for level in host.levels:
+            config = triton_kernels.tile_config(self.dtype, self.heads[2], rows, self.group)
+            items, splits = triton_kernels.prefix_work(
+                level.row_start,
+                level.lengths,
+                config[0] // self.group,
+                config[1],
+                triton_kernels._target_programs(self.device),
+                self.heads[1],
+            )
+            level_items.append(items)
+            level_keys.append(
+                _LevelKey(
+                    segments=_capacity(len(level.lengths)),
+                    width=_capacity(max(1, level.tables.shape[1])),
+                    work=_capacity(max(1, len(items))),
+                    config=config,
+                    splits=splits,
+                )
+            )
+        width = _capacity(max(1, host.own_tables.shape[1]))
+        key = (rows, width, tuple(level_keys))
+        static = self.graphs.get(key)
+        if static is None:
+            static = self.graphs[key] = self._static(rows, width, tuple(level_keys), own_config)
+        self._fill(static, host, own_items, level_items)
+        static.arena.copy_(static.host, non_blocking=True)
+        if static.graph is not None:
+            static.graph.replay()
+        elif self.capture:
+            self._record(static)
+        else:
+            static.logits = self._forward(static)
+        self.replays += 1
+        return static.logits[:count]
+
+    def _fill(self, static: _Static, host: HostStep, own_items, level_items) -> None:
+        """Write the step into the graph's host arena, padding past its rows and items."""
+        layout, arena = static.layout, static.host.numpy()
+        count = host.num_tokens
+
+        def put(name: str, values, fill: int = 0) -> None:
+            view = layout.view(arena, name)
+            view.fill(fill)
+            values = np.asarray(values)
+            view[tuple(slice(0, size) for size in values.shape)] = values
+
+        put("input_ids", host.input_ids)
+        put("positions", host.positions)
+        put("slots", host.slots, fill=-1)
+        put("context", host.context_lens)
+        query_start = layout.view(arena, "query_start")
+        query_start[: count + 1] = host.query_start
+        query_start[count + 1 :] = count  # padding rows: no query rows
+        put("own_tables", host.own_tables)
+        put("own_work", own_items)
+        for index, (level, items) in enumerate(zip(host.levels, level_items)):
+            put(f"rows{index}", level.rows, fill=-1)
+            row_start = layout.view(arena, f"row_start{index}")
+            row_start[: len(level.row_start)] = level.row_start
+            row_start[len(level.row_start) :] = level.row_start[-1]
+            put(f"lengths{index}", level.lengths)
+            put(f"tables{index}", level.tables)
+            put(f"work{index}", items)
+
+    # -- building and recording --------------------------------------------------------
+    def _static(
+        self, rows: int, width: int, levels: tuple[_LevelKey, ...], own_config: tuple
+    ) -> _Static:
+        layout = _Layout.of(rows, width, levels)
+        host = torch.zeros(layout.size, dtype=torch.int32)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        arena = torch.zeros(layout.size, dtype=torch.int32, device=self.device)
+
+        def view(name: str) -> torch.Tensor:
+            return layout.view(arena, name)
+
+        heads = dict(zip(("num_heads", "num_kv_heads", "head_dim"), self.heads))
+        shape = {"block_size": self.block_size, "num_blocks": self.pool_blocks}
+        query_start = view("query_start")
+        own = kernels.OwnBatch(
+            query_start=query_start,
+            block_tables=view("own_tables"),
+            context_lens=view("context"),
+            num_rows=rows,
+            max_query_rows=1,
+            max_context_len=width * self.block_size,
+            host_query_start=(),
+            host_context_lens=(),
+            **shape,
+        )
+        triton_kernels.preset_plan(
+            own, config=own_config, work=view("own_work"), num_splits=1, **heads
+        )
+        prefixes = []
+        for index, level in enumerate(levels):
+            batch = kernels.PrefixBatch(
+                rows=view(f"rows{index}"),
+                row_start=view(f"row_start{index}"),
+                block_tables=view(f"tables{index}"),
+                lengths=view(f"lengths{index}"),
+                num_rows=rows,
+                max_segment_rows=rows,
+                max_length=level.width * self.block_size,
+                host_rows=(),
+                host_row_start=(),
+                host_lengths=(),
+                **shape,
+            )
+            triton_kernels.preset_plan(
+                batch,
+                config=level.config,
+                work=view(f"work{index}"),
+                num_splits=level.splits,
+                **heads,
+            )
+            prefixes.append(batch)
+        step = kernels.AttentionStep("triton", own, prefixes, view("slots"))
+        return _Static(layout, host, arena, step)
+
+    def _forward(self, static: _Static) -> torch.Tensor:
+        """The step on the static buffers: [rows, vocab] float32 logits of every row."""
+        layout, arena = static.layout, static.arena
+        hidden = self.model(
+            layout.view(arena, "input_ids"),
+            layout.view(arena, "positions"),
+            StepAttention(static.step, self.k_cache, self.v_cache, self.model.config.scale),
+        )
+        return self.model.compute_logits(hidden)
+
+    def _record(self, static: _Static) -> None:
+        """Warm up on a side stream (kernels compile, allocations settle), record, replay."""
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            self._forward(static)
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            static.logits = self._forward(static)
+        static.graph = graph
+        graph.replay()
