@@ -472,7 +472,7 @@ def prefix_batch_arrays(
     if flat.size:
         if flat.min() < 0 or flat.max() >= num_rows:
             raise ValueError(f"rows values must lie in [0, {num_rows})")
-        if np.unique(flat).size != flat.size:
+        if np.bincount(flat, minlength=num_rows).max() > 1:
             raise ValueError("a q row is in two segments of one batch")
     needed = -(-sizes // block_size)
     width = int(needed.max()) if segments else 0

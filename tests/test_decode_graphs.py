@@ -15,6 +15,10 @@ from test_hf_backend import assert_matches_hf, check_eos_hit_mid_batch, three_le
 from llm_operator import LLMOperator, SamplingParams
 from llm_operator.engine.native.decode_graphs import buckets
 
+# A bucket's padding rows compute on garbage (their attention state is never written and
+# their outputs are dropped; no op mixes rows), which numpy's interpreter warns about.
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+
 
 @pytest.fixture
 def triton_kernels(monkeypatch):

@@ -120,6 +120,7 @@ class Run:
         )
         self.unanswered = len(self.requests)
         self.all_plain = all(request.plain for request in self.requests)  # see append_plain
+        self.all_greedy = self.all_plain and all(r.params.greedy for r in self.requests)
         self.prefill_tokens = 0  # prompt tokens run through the model (backends add to it)
         self.output_tokens = 0
         self.forced_tokens = 0  # output tokens appended without sampling (jump-forward)
@@ -133,6 +134,8 @@ class Run:
     def sample(self, logits: torch.Tensor, request_ids: Sequence[int]) -> list[int]:
         """One next token per request from its logits row (logits: [len(request_ids), vocab]),
         sampled on the logits' device with one host sync (``sampler.sample_tokens``)."""
+        if self.all_greedy:  # every row plain and greedy: the argmax, one copy
+            return torch.argmax(logits, dim=-1).tolist()
         requests = [self.requests[i] for i in request_ids]
         special = [k for k, r in enumerate(requests) if r.special]
         keys = [

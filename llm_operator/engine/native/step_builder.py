@@ -314,7 +314,9 @@ class StepBuilder:
             segment_of[reading] = level_segment[chain_ids[reading], level]
             chunks = np.flatnonzero(segment_of >= 0)
             order = chunks[np.argsort(segment_of[chunks], kind="stable")]
-            segment_ids, first = np.unique(segment_of[order], return_index=True)
+            ordered = segment_of[order]  # ascending: each segment's chunks together
+            first = np.flatnonzero(np.diff(ordered, prepend=-1))  # first chunk of a segment
+            segment_ids = ordered[first]
             row_start_of_chunk = np.zeros(len(order) + 1, dtype=np.int64)
             np.cumsum(counts_of_chunk[order], out=row_start_of_chunk[1:])
             blocks = [self.segment_blocks(int(s)) for s in segment_ids]
