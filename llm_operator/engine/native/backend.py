@@ -28,8 +28,9 @@ from llm_operator.config import EngineConfig
 from llm_operator.engine.native.block_manager import BlockManager
 from llm_operator.engine.native.decode_graphs import DecodeGraphs
 from llm_operator.engine.native.op_profile import OpProfile, TimedOps, profiling_requested
+from llm_operator.engine.native.overlap import OverlappedSteps, overlap_mode
 from llm_operator.engine.native.scheduler import ScheduledChunk, Scheduler
-from llm_operator.engine.native.step_builder import StepAttention, StepBatch, StepBuilder
+from llm_operator.engine.native.step_builder import HostStep, StepAttention, StepBatch, StepBuilder
 from llm_operator.engine.run import Run
 from llm_operator.models import fused
 from llm_operator.models.cpu_decoder import TIMED_KINDS, CompiledDecoder
@@ -192,8 +193,16 @@ class NativeBackend:
         return self._graphs
 
     # -- a run -----------------------------------------------------------------------
-    def start(self, run: Run) -> _NativeSteps:
-        return _NativeSteps(self, run)
+    def start(self, run: Run) -> _NativeSteps | OverlappedSteps:
+        steps = _NativeSteps(self, run)
+        mode = overlap_mode()
+        if (
+            run.all_greedy
+            and self.op_profile is None
+            and (mode == "on" or (mode == "auto" and self.device.type == "cuda"))
+        ):
+            return OverlappedSteps(steps)  # the next step scheduled while this one runs
+        return steps
 
 
 @torch.inference_mode()
@@ -237,6 +246,7 @@ class _NativeSteps:
             segment_blocks=self.scheduler.segment_blocks,
             segment_length=self.scheduler.segment_length,
         )
+        self.upload_seconds = 0.0  # of the last step's eager device tensors (``logits``)
         self.graphs = None  # DecodeGraphs for decode-only steps (backend.graphs_wanted)
         if backend.graphs_wanted(self.implementation):
             self.graphs = backend.decode_graphs(self.k_cache, self.v_cache)
@@ -278,35 +288,22 @@ class _NativeSteps:
         started = step_started = time.perf_counter()
         chunks = scheduler.schedule()
         plan = self.builder.plan(chunks)
-        graphs = self.graphs
-        if graphs is not None and graphs.accepts(plan):  # a decode step: replayed
-            host = time.perf_counter() - started
-            profile.schedule += host
-            started = time.perf_counter()
-            sampled, tokens = plan.sampled, plan.num_tokens
+        host = time.perf_counter() - started
+        profile.schedule += host
+        started = time.perf_counter()
+        sampled, tokens = plan.sampled, plan.num_tokens
+        logits = self.logits(plan, regions=regions, compute_logits=compute_logits)
+        if sampled:
             ids = [c.seq.ref for c in sampled]
-            next_tokens = sample(graphs.logits(plan), ids)
-            profile.graph_steps += 1
-        else:
-            batch = self.builder.to_device(plan)
-            host = time.perf_counter() - started
-            profile.schedule += host
-            started = time.perf_counter()
-            sampled, tokens = batch.sampled, batch.num_tokens
-            hidden = self._forward(batch, regions)
-            if sampled:
-                ids = [c.seq.ref for c in sampled]
-                # the head, then every row's token on the device and one copy to the host
-                next_tokens = sample(compute_logits(hidden[batch.last_rows]), ids)
-        profile.forward += time.perf_counter() - started
+            next_tokens = sample(logits, ids)  # on the device, one copy to the host
+        host += self.upload_seconds
+        profile.schedule += self.upload_seconds
+        profile.forward += time.perf_counter() - started - self.upload_seconds
         started = time.perf_counter()
         scheduler.complete(chunks)
         if sampled:
             self._hand_over(sampled, ids, next_tokens)
-        for request_id, message in scheduler.rejected[self.reported :]:
-            run.fail(request_id, message)
-        self.reported = len(scheduler.rejected)
-        run.prefill_tokens = scheduler.stats.prefill_tokens
+        self.report_rejections()
         handed_over = time.perf_counter() - started
         profile.sample += handed_over
         profile.host.append(host + handed_over)
@@ -319,6 +316,41 @@ class _NativeSteps:
                 profile.ops = []
             profile.ops.append(ops.end(seconds))
         return True
+
+    def logits(self, plan: HostStep, patch=None, *, regions=None, compute_logits=None):
+        """The step on the device: [sampled, vocab] float32 logits of its sampled rows
+        (None when none samples), through a decode graph where one takes the step, else
+        the eager (or compiled CPU) forward. ``patch``: (token rows, indices, tokens): the
+        step's input ids at those rows are ``tokens[indices]``, copied on the device
+        (``OverlappedSteps``). Counts the step's host-to-device work as forward time."""
+        graphs = self.graphs
+        self.upload_seconds = 0.0  # building the eager step's device tensors (host work)
+        if graphs is not None and graphs.accepts(plan):  # a decode step: replayed
+            self.profile.graph_steps += 1
+            return graphs.logits(plan, patch)
+        started = time.perf_counter()
+        batch = self.builder.to_device(plan)
+        self.upload_seconds = time.perf_counter() - started
+        if patch is not None:
+            rows, indices, tokens = patch
+            device = batch.input_ids.device
+            batch.input_ids[torch.from_numpy(rows).to(device)] = tokens[
+                torch.from_numpy(indices).to(device)
+            ]
+        hidden = self._forward(batch, regions)
+        if not batch.sampled:
+            return None
+        compute_logits = compute_logits or self.backend.model.compute_logits
+        return compute_logits(hidden[batch.last_rows])
+
+    def report_rejections(self) -> None:
+        """Requests the scheduler rejected since the last call become error rows; the
+        run's prefill count follows the scheduler's."""
+        scheduler, run = self.scheduler, self.run
+        for request_id, message in scheduler.rejected[self.reported :]:
+            run.fail(request_id, message)
+        self.reported = len(scheduler.rejected)
+        run.prefill_tokens = scheduler.stats.prefill_tokens
 
     def _forward(self, batch: StepBatch, regions) -> torch.Tensor:
         """The model on the step's tokens (the compiled CPU decoder where it runs): the

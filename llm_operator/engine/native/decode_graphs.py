@@ -149,7 +149,9 @@ class DecodeGraphs:
         return host.decode_only and host.num_tokens <= self.buckets[-1]
 
     # -- a step ------------------------------------------------------------------------
-    def logits(self, host: HostStep) -> torch.Tensor:
+    def logits(self, host: HostStep, patch=None) -> torch.Tensor:
+        """patch: (token rows, indices, tokens): input ids copied on the device from
+        ``tokens[indices]`` (``OverlappedSteps``)."""
         count = host.num_tokens
         rows = next(size for size in self.buckets if size >= count)
         own_config = triton_kernels.tile_config(self.dtype, self.heads[2], 1, self.group)
@@ -184,6 +186,11 @@ class DecodeGraphs:
             static = self.graphs[key] = self._static(rows, width, tuple(level_keys), own_config)
         self._fill(static, host, own_items, level_items)
         static.arena.copy_(static.host, non_blocking=True)
+        if patch is not None:
+            rows, indices, tokens = patch
+            input_ids = static.layout.view(static.arena, "input_ids")
+            source = tokens[torch.from_numpy(indices).to(self.device, non_blocking=True)]
+            input_ids[torch.from_numpy(rows).to(self.device)] = source.to(torch.int32)
         if static.graph is not None:
             static.graph.replay()
         elif self.capture:

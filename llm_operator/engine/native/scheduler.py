@@ -248,8 +248,15 @@ class Scheduler:
             seq.tokens.append(token)
 
     def finish(self, seq: KVSequence) -> None:
-        """A running request is done: free its blocks and unpin segments it was last to need."""
-        assert seq.kind is REQUEST and seq.status == RUNNING, f"request {seq.ref} not running"
+        """A request is done: free its blocks and unpin segments it was last to need. Also
+        a preempted one (waiting to be admitted again), whose output the runner already
+        has (``OverlappedSteps``: a guessed row that had ended)."""
+        assert seq.kind is REQUEST and seq.status in (RUNNING, WAITING), (
+            f"request {seq.ref} is {seq.status}"
+        )
+        if seq.status is WAITING:
+            assert seq.arrival != -1, f"request {seq.ref} was never admitted"
+            self._waiting.remove(seq)
         self._release_request(seq)
         self._num_finished += 1
 
