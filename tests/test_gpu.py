@@ -180,6 +180,55 @@ def test_self_check_passes(dtype, num_heads, num_kv_heads, head_dim):
     assert reason is None, reason
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attend_merges_levels_in_place(dtype):
+    """The engine's attention call (own part, then each segment level merged into one
+    state in place) on the GPU against the reference's parts merged on the CPU."""
+    case = make_case(
+        segments=[(5, [1, 2]), (0, [3]), (230, [0, 4, 6, 7, 8, 9, 10, 11])],
+        requests=[(3, 1)] * 7 + [(20, 5)],
+        dtype=dtype,
+        seed=31,
+    )
+    gpu = on_gpu(case)
+    out = tri.attend(gpu.q, gpu.k_cache, gpu.v_cache, gpu.own, [gpu.prefix], case.scale)
+    args = (case.q, case.k_cache, case.v_cache)
+    expected = torch_attention.merge_attention_states(
+        [
+            torch_attention.own_attention(*args, case.own, case.scale),
+            torch_attention.prefix_attention(*args, case.prefix, case.scale),
+        ]
+    )
+    assert_close(on_cpu((out, expected.lse.cuda())), expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_elementwise_kernels(dtype):
+    """The fused Triton kernels compiled for the GPU against the eager references on the
+    CPU (the interpreter tests' tolerances: tests/test_triton_fused.py)."""
+    from test_triton_fused import assert_matches, rope_inputs
+
+    from llm_operator.kernels import triton_fused as tf
+    from llm_operator.models import fused
+
+    generator = torch.Generator().manual_seed(5)
+    hidden = (3 * torch.randn(9, 576, generator=generator)).to(dtype)
+    delta = torch.randn(9, 576, generator=generator).to(dtype)
+    weight = torch.randn(576, generator=generator).to(dtype)
+    total, normed = tf.add_rms_norm(hidden.cuda(), delta.cuda(), weight.cuda(), 1e-5)
+    want_total, want_normed = fused.add_rms_norm(hidden, delta, weight, 1e-5)
+    assert_matches(total.cpu(), want_total, "hidden + delta", exact=True)
+    assert_matches(normed.cpu(), want_normed, "add_rms_norm")
+    gate_up = torch.randn(9, 2 * 1536, generator=generator).to(dtype)
+    assert_matches(tf.silu_mul(gate_up.cuda()).cpu(), fused.silu_mul(gate_up), "silu_mul")
+    heads = (9, 3, 64)
+    qkv, cos, sin, _norms = rope_inputs(9, heads, dtype)
+    got = tf.qkv_rope(qkv.cuda(), cos.cuda(), sin.cuda(), None, None, 1e-5, *heads)
+    want = fused.qkv_rope(qkv, cos, sin, None, None, 1e-5, *heads)
+    for name, got_part, want_part in zip("qkv", got, want, strict=True):
+        assert_matches(got_part.cpu(), want_part, name, exact=True)
+
+
 # ---------------------------------------------------------------- the engine against HF
 def bucket_prompts(rows: int) -> tuple[list[str], list[int]]:
     """``rows`` prompts in two groups sharing an instruction, then a review each (a second

@@ -46,7 +46,8 @@ class HFBackend:
         device; None: unbounded)."""
         self.model = model
         self.tokenizer = tokenizer
-        self.engine_config = engine_config
+        # batch sizes left to the engine: the CPU's, unless build_backend sized them for a GPU
+        self.engine_config = engine_config = engine_config.with_batch_defaults(None)
         self.kv_cache_bytes = kv_cache_bytes
         self.device = next(model.parameters()).device
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -83,7 +83,8 @@ class NativeBackend:
         iteration), ``max_batch_size`` (running requests), ``share_prefixes`` and
         ``token_batching`` apply here. kv_cache_bytes: the KV budget in bytes
         (``kv_cache_memory`` resolved for the device)."""
-        self.engine_config = engine_config
+        # batch sizes left to the engine: the CPU's, unless build_backend sized them for a GPU
+        self.engine_config = engine_config = engine_config.with_batch_defaults(None)
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device

@@ -129,7 +129,8 @@ class VLLMBackend:
         require_vllm()
         self.model_path = str(model_path)
         self.tokenizer = tokenizer
-        self.engine_config = engine_config
+        # batch sizes left to the engine: the CPU's, unless build_backend sized them for a GPU
+        self.engine_config = engine_config = engine_config.with_batch_defaults(None)
         self.max_context = max_context
         self._engine: VLLMEngine | None = None
         self.engine_builds = 0  # engines started over this backend's life
