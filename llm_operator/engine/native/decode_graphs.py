@@ -109,7 +109,7 @@ class _Static:
     host: torch.Tensor  # int32 arena, pinned on CUDA
     arena: torch.Tensor  # int32 arena on the device
     step: kernels.AttentionStep
-    logits: torch.Tensor | None = None  # [rows, vocab] float32: the recorded output
+    hidden: torch.Tensor | None = None  # [rows, hidden_size]: the recorded output
     graph: object = None  # torch.cuda.CUDAGraph once recorded
 
 
@@ -119,7 +119,10 @@ class DecodeGraphs:
     Contract: ``accepts(host)`` says whether a step can run here (decode only, at most
     ``max_rows`` rows); ``logits(host)`` returns the step's logits [rows, vocab] float32,
     the same as the eager forward and ``model.compute_logits`` of every row would, after
-    storing the step's K/V. The caches and the model must not move while this object lives.
+    storing the step's K/V. The graph ends at the final norm: the head runs eagerly on the
+    step's rows only (a recorded output lives as long as its graph, and [rows, vocab]
+    logits of every bucket would hold gigabytes). The caches and the model must not move
+    while this object lives.
     """
 
     def __init__(
@@ -196,9 +199,9 @@ class DecodeGraphs:
         elif self.capture:
             self._record(static)
         else:
-            static.logits = self._forward(static)
+            static.hidden = self._forward(static)
         self.replays += 1
-        return static.logits[:count]
+        return self.model.compute_logits(static.hidden[:count])
 
     def _fill(self, static: _Static, host: HostStep, own_items, level_items) -> None:
         """Write the step into the graph's host arena, padding past its rows and items."""
@@ -286,14 +289,13 @@ class DecodeGraphs:
         return _Static(layout, host, arena, step)
 
     def _forward(self, static: _Static) -> torch.Tensor:
-        """The step on the static buffers: [rows, vocab] float32 logits of every row."""
+        """The step on the static buffers: the final-normed hidden states [rows, hidden]."""
         layout, arena = static.layout, static.arena
-        hidden = self.model(
+        return self.model(
             layout.view(arena, "input_ids"),
             layout.view(arena, "positions"),
             StepAttention(static.step, self.k_cache, self.v_cache, self.model.config.scale),
         )
-        return self.model.compute_logits(hidden)
 
     def _record(self, static: _Static) -> None:
         """Warm up on a side stream (kernels compile, allocations settle), record, replay."""
@@ -305,6 +307,6 @@ class DecodeGraphs:
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            static.logits = self._forward(static)
+            static.hidden = self._forward(static)
         static.graph = graph
         graph.replay()
