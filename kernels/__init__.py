@@ -33,6 +33,11 @@ process. On the CPU it builds or loads the compiled kernels and checks them
 (``cpu_extension.load``); without a compiler, or on a failed check, it warns once and the
 CPU runs the torch reference. An explicit ``LLM_OPERATOR_KERNELS`` skips the Triton check
 (``triton`` still forces the kernels); ``cpp`` raises if the compiled kernels cannot load.
+The elementwise regions' Triton kernels (``triton_fused``) have a check of their own
+(``self_check_fused``, proven the same way), which the engine runs next where
+``triton_device`` holds (``llm_operator.models.triton_ops.ensure_checked``: its reference
+lives above this layer); a failure there sends those regions to eager on that device and
+leaves the attention kernels as their own check left them.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ __all__ = [
     "implementation",
     "kv_cache_shapes",
     "step_implementation",
+    "triton_device",
     "merge_attention_states",
     "own_attention",
     "own_batch",
@@ -108,6 +114,13 @@ def _device_key(device: torch.device) -> tuple[str, int | None]:
     if index is None and device.type == "cuda":
         index = torch.cuda.current_device()
     return device.type, index
+
+
+def triton_device(device: torch.device | str) -> bool:
+    """Whether ``device``'s tensors go to the Triton kernels unless forced or failed (CUDA):
+    where the engine self-checks them (``ensure_checked``; the elementwise regions' kernels:
+    ``llm_operator.models.triton_ops.ensure_checked``)."""
+    return torch.device(device).type in _TRITON_DEVICE_TYPES
 
 
 def implementation(tensor: Tensor) -> str:

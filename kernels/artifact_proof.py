@@ -24,6 +24,14 @@ a new torch) is never used. Files are written to a temporary name and renamed, u
 file lock per verdict, so concurrent workers of one node run one child and read one
 verdict. Failed verdicts are cached too (delete the file to prove it again).
 
+``prove_build`` proves an artifact that does not exist yet in the child that builds it:
+the child writes it to a temporary name and checks it; on a pass this process writes the
+verdict ``prove`` will find for those bytes and renames the file into place (so it loads a
+proven artifact at once, and never builds one itself); a failed build is cached as a
+verdict too. ``shared=True`` runs the child in this process's ``ProbeWorker`` (one child
+for proof after proof, which pays Python's and torch's imports once: for artifacts whose
+proofs leave nothing behind that could change a later one's outcome).
+
 ``LLM_OPERATOR_PROVE``: ``auto`` (default; also ``on``, ``1``) proves as above; ``off``
 (or ``0``) trusts every artifact unproven, for experts who know their machines.
 
@@ -47,7 +55,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from llm_operator.kernels.child_probe import Verdict, run_child
+from llm_operator.kernels.child_probe import ProbeWorker, Verdict, child_environment, run_child
 
 __all__ = [
     "PROVE_ENV",
@@ -58,6 +66,7 @@ __all__ = [
     "enable_fault_handler",
     "machine_identity",
     "prove",
+    "prove_build",
     "prove_mode",
     "reset",
     "run_probe",
@@ -68,8 +77,11 @@ _MODES = {"": "auto", "auto": "auto", "on": "auto", "1": "auto", "off": "off", "
 DEFAULT_TIMEOUT = 300.0  # seconds: importing torch, a CUDA context, a first Triton compile
 
 _lock = threading.Lock()
+_worker_lock = threading.Lock()
 _verdicts: dict[str, Verdict] = {}  # by key digest, this process's proofs and reads
 _hashes: dict[tuple, str] = {}  # artifact sha256 by (path, size, mtime)
+_VOLATILE_ENVIRONMENT = ("PYTEST_CURRENT_TEST",)
+_worker: list[ProbeWorker] = []  # the shared proving child (run_probe(shared=True)), if any
 
 
 def prove_mode() -> str:
@@ -140,24 +152,20 @@ def prove(
     identity: str = "",
     device: str = "cpu",
     timeout: float = DEFAULT_TIMEOUT,
+    shared: bool = False,
 ) -> Verdict:
     """The verdict on ``probe(**arguments)`` run in a child process, cached (see the module
     docstring). ``name``: what is proved, for the verdict's file name; ``artifact``: the
     file under proof (its path and bytes enter the key; the verdict is stored beside it);
     ``directory``: where the verdict is stored without an artifact; ``identity``: anything
-    else the outcome depends on; ``device``: whose machine kind enters the key.
+    else the outcome depends on; ``device``: whose machine kind enters the key;
+    ``shared``: run the child in the shared ``ProbeWorker``.
     ValueError/TypeError for bad arguments, FileNotFoundError for a missing artifact;
     never raises for what the child does."""
-    if not isinstance(probe, str) or ":" not in probe:
-        raise ValueError(f"probe must be 'module:function', got {probe!r}")
-    if timeout <= 0:
-        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    _check_probe(probe, timeout)
     if artifact is None and directory is None:
         raise ValueError("prove needs an artifact or a directory to store its verdict in")
-    try:
-        arguments_json = json.dumps(dict(arguments), sort_keys=True)
-    except TypeError as error:
-        raise TypeError(f"arguments must be JSON-able: {error}") from error
+    arguments_json = _json(arguments, "arguments")
     if prove_mode() == "off":
         return Verdict(True, None, "trusted")
     with _lock:
@@ -169,9 +177,148 @@ def prove(
             path = Path(artifact).with_name(f"{Path(artifact).name}.{digest}.proof.json")
         else:
             path = Path(directory) / f"{_file_stem(name)}.{digest}.proof.json"  # type: ignore[arg-type]
-        verdict = _locked_prove(path, key, probe, arguments_json, timeout)
+        verdict = _locked_prove(path, key, probe, arguments_json, timeout, shared)
         _verdicts[digest] = verdict
         return verdict
+
+
+def prove_build(
+    name: str,
+    probe: str,
+    arguments: Mapping[str, Any],
+    *,
+    artifact: Path | str,
+    build: str,
+    build_arguments: Mapping[str, Any],
+    identity: str = "",
+    device: str = "cpu",
+    timeout: float = DEFAULT_TIMEOUT,
+    shared: bool = False,
+) -> Verdict:
+    """``prove(name, probe, arguments, artifact=artifact, ...)``'s verdict, building
+    ``artifact`` first, in the same child, when it does not exist.
+
+    ``build`` ("module:function") runs in the child as ``build(**build_arguments,
+    staged=<path>)``: it writes the artifact to ``staged`` (a temporary name beside
+    ``artifact``) and checks it as ``probe`` would check ``artifact`` (None or a reason).
+    When it passes, this process hashes the staged bytes, writes the verdict ``prove`` finds
+    for ``artifact`` holding them, then renames the file to ``artifact``, to be loaded at
+    once. When it fails, the staged file is removed and the failure cached beside
+    ``artifact`` (``<artifact>.<digest>.proof.json``, keyed like a proof of ``build`` with
+    the artifact absent; delete it to build again), so later processes fall back at once.
+    Under a file lock per build: concurrent processes build once, the others then find the
+    artifact and its verdict. With ``LLM_OPERATOR_PROVE=off`` the child builds all the
+    same, and the verdict is "trusted" and not stored. Errors as ``prove``."""
+    _check_probe(probe, timeout)
+    _check_probe(build, timeout)
+    arguments_json = _json(arguments, "arguments")
+    build_json = _json(build_arguments, "build_arguments")
+    artifact = Path(artifact)
+    with _lock:
+        verdict = _build_unless_present(
+            name, probe, arguments_json, artifact, build, build_json, identity, device, timeout,
+            shared,
+        )  # fmt: skip
+    if verdict is not None:
+        return verdict
+    return prove(
+        name, probe, arguments, artifact=artifact, identity=identity, device=device,
+        timeout=timeout, shared=shared,
+    )  # fmt: skip
+
+
+def _build_unless_present(
+    name: str,
+    probe: str,
+    arguments_json: str,
+    artifact: Path,
+    build: str,
+    build_json: str,
+    identity: str,
+    device: str,
+    timeout: float,
+    shared: bool,
+) -> Verdict | None:
+    """``prove_build``'s verdict when it built ``artifact`` (or a cached failure to), None
+    when the artifact exists (``prove`` it then); under ``_lock``."""
+    from filelock import FileLock, Timeout
+
+    if artifact.is_file():
+        return None
+    if prove_mode() == "off":
+        verdict, staged = _run_build(artifact, build, build_json, timeout, shared)
+        if verdict.passed:
+            os.replace(staged, artifact)
+        staged.unlink(missing_ok=True)
+        return verdict._replace(source="trusted") if verdict.passed else verdict
+    key = _key(name, build, build_json, None, identity, device)
+    key["artifact"] = str(artifact.resolve())  # absent: no bytes to key
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    if digest in _verdicts:
+        return _verdicts[digest]._replace(source="memory")  # a failed build
+    path = artifact.with_name(f"{artifact.name}.{digest}.proof.json")
+    lock = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(path.with_suffix(".lock")), timeout=2 * timeout + 60)
+        lock.acquire()
+    except (OSError, Timeout):
+        lock = None  # an unusable folder: build without the lock (and without caching)
+    try:
+        if artifact.is_file():
+            return None  # another process built it while this one waited
+        failed = _read(path, key)
+        if failed is None:
+            verdict, staged = _run_build(artifact, build, build_json, timeout, shared)
+            try:
+                if verdict.passed:
+                    proof = _key(name, probe, arguments_json, artifact, identity, device, staged)
+                    proof_digest = hashlib.sha256(
+                        json.dumps(proof, sort_keys=True).encode()
+                    ).hexdigest()[:20]
+                    proof_path = artifact.with_name(f"{artifact.name}.{proof_digest}.proof.json")
+                    verdict = _write(proof_path, proof, verdict)
+                    os.replace(staged, artifact)
+                    _verdicts[proof_digest] = verdict
+                    return verdict
+                failed = _write(path, key, verdict)
+            finally:
+                staged.unlink(missing_ok=True)
+        _verdicts[digest] = failed
+        return failed
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_build(
+    artifact: Path, build: str, build_json: str, timeout: float, shared: bool
+) -> tuple[Verdict, Path]:
+    """``build`` run in a child onto a temporary name beside ``artifact``: (its verdict,
+    failed when it passed without writing the file; that name)."""
+    staged = artifact.with_name(
+        f"{artifact.stem}.{os.getpid()}-{threading.get_ident()}.staged{artifact.suffix}"
+    )
+    arguments = {**json.loads(build_json), "staged": str(staged)}
+    verdict = run_probe(build, arguments, timeout=timeout, shared=shared)
+    if verdict.passed and not staged.is_file():
+        reason = f"it passed without writing {staged.name} (a child process running {build})"
+        verdict = Verdict(False, reason, "child", None, verdict.seconds)
+    return verdict, staged
+
+
+def _check_probe(probe: str, timeout: float) -> None:
+    if not isinstance(probe, str) or ":" not in probe:
+        raise ValueError(f"probe must be 'module:function', got {probe!r}")
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+
+
+def _json(arguments: Mapping[str, Any], what: str) -> str:
+    try:
+        return json.dumps(dict(arguments), sort_keys=True)
+    except TypeError as error:
+        raise TypeError(f"{what} must be JSON-able: {error}") from error
 
 
 def _key(
@@ -181,8 +328,10 @@ def _key(
     artifact: Path | str | None,
     identity: str,
     device: str,
+    content: Path | None = None,
 ) -> dict[str, Any]:
-    """What a verdict holds for (stored in its file, compared on reading)."""
+    """What a verdict holds for (stored in its file, compared on reading); ``content``: the
+    file whose bytes ``artifact`` holds (default: itself)."""
     import torch
 
     return {
@@ -190,7 +339,7 @@ def _key(
         "probe": probe,
         "arguments": json.loads(arguments_json),
         "artifact": None if artifact is None else str(Path(artifact).resolve()),
-        "artifact_sha256": None if artifact is None else _sha256(Path(artifact)),
+        "artifact_sha256": None if artifact is None else _sha256(Path(content or artifact)),
         "identity": identity,
         "machine": machine_identity(device),
         "torch": torch.__version__,
@@ -199,7 +348,7 @@ def _key(
 
 
 def _locked_prove(
-    path: Path, key: dict, probe: str, arguments_json: str, timeout: float
+    path: Path, key: dict, probe: str, arguments_json: str, timeout: float, shared: bool
 ) -> Verdict:
     """The verdict in ``path`` when it holds ``key``'s, else a fresh one written there, all
     under ``path``'s file lock (without the lock or the file when the folder is unusable)."""
@@ -210,9 +359,9 @@ def _locked_prove(
         lock = FileLock(str(path.with_suffix(".lock")), timeout=2 * timeout + 60)
         lock.acquire()
     except (OSError, Timeout):
-        return _run_and_write(path, key, probe, arguments_json, timeout)
+        return _run_and_write(path, key, probe, arguments_json, timeout, shared)
     try:
-        return _read(path, key) or _run_and_write(path, key, probe, arguments_json, timeout)
+        return _read(path, key) or _run_and_write(path, key, probe, arguments_json, timeout, shared)
     finally:
         lock.release()
 
@@ -228,9 +377,15 @@ def _read(path: Path, key: dict) -> Verdict | None:
 
 
 def _run_and_write(
-    path: Path, key: dict, probe: str, arguments_json: str, timeout: float
+    path: Path, key: dict, probe: str, arguments_json: str, timeout: float, shared: bool
 ) -> Verdict:
-    verdict = run_probe(probe, json.loads(arguments_json), timeout=timeout)
+    verdict = run_probe(probe, json.loads(arguments_json), timeout=timeout, shared=shared)
+    return _write(path, key, verdict)
+
+
+def _write(path: Path, key: dict, verdict: Verdict) -> Verdict:
+    """``verdict`` written to ``path`` under ``key`` (a temporary file, renamed), with its
+    path; without it when the folder is unwritable."""
     record = {"key": key, "passed": verdict.passed, "reason": verdict.reason}
     record.update(seconds=verdict.seconds, written=time.time(), pid=os.getpid())
     temporary = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
@@ -243,10 +398,30 @@ def _run_and_write(
     return verdict._replace(path=path)
 
 
-def run_probe(probe: str, arguments: Mapping[str, Any], *, timeout: float) -> Verdict:
+def run_probe(
+    probe: str, arguments: Mapping[str, Any], *, timeout: float, shared: bool = False
+) -> Verdict:
     """Run ``probe(**arguments)`` in a child process now, uncached (``child_probe``), with
-    ``LLM_OPERATOR_PROVE=off`` there; its ``Verdict`` (source "child")."""
-    return run_child(probe, arguments, timeout=timeout, environment={PROVE_ENV: "off"})
+    ``LLM_OPERATOR_PROVE=off`` there; its ``Verdict`` (source "child"). ``shared``: in this
+    process's ``ProbeWorker`` (started again when this process's environment or
+    ``sys.path`` changed since it started)."""
+    environment = {PROVE_ENV: "off"}
+    if not shared:
+        return run_child(probe, arguments, timeout=timeout, environment=environment)
+    environment = child_environment(environment)
+    with _worker_lock:
+        if _worker and _settings(_worker[0].environment) != _settings(environment):
+            _worker.pop().close()
+        if not _worker:
+            _worker.append(ProbeWorker(environment))
+        worker = _worker[0]
+    return worker.run(probe, arguments, timeout=timeout)
+
+
+def _settings(environment: Mapping[str, str]) -> dict[str, str]:
+    """``environment`` less what changes without changing a probe's outcome (pytest's
+    ``PYTEST_CURRENT_TEST``, set per test)."""
+    return {k: v for k, v in environment.items() if k not in _VOLATILE_ENVIRONMENT}
 
 
 def _file_stem(name: str) -> str:

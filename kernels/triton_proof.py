@@ -1,28 +1,44 @@
-"""The Triton self-check, proven in a child process before it runs in this one.
+"""The Triton self-checks, proven in a child process before they run in this one.
 
-``check_triton`` compiles and launches every Triton kernel: a kernel (or a driver, or a
-Triton build) that crashes takes the process with it. ``proven_check_triton`` runs the same
-check in a child process first (``artifact_proof.prove``), and in this process only when
-the child passed. The child's verdict is cached on disk, in ``$LLM_OPERATOR_CACHE/proofs``
-(default ``~/.cache/llm-operator/proofs``), per machine kind (GPU model, compute
-capability, driver), check arguments, kernel sources, Triton, torch and Python.
+``self_check.check_triton`` (attention) and ``self_check_fused.check_triton_fused`` (the
+elementwise kernels) compile and launch Triton kernels: a kernel (or a driver, or a Triton
+build) that crashes takes the process with it. ``proven_check_triton`` and
+``proven_check_triton_fused`` run the same check in a child process first
+(``artifact_proof.prove``; a one-shot child, which frees its CUDA context before the engine
+sizes its KV cache), and in this process only when the child passed. The child's verdict
+is cached on disk, in ``$LLM_OPERATOR_CACHE/proofs`` (default
+``~/.cache/llm-operator/proofs``), per machine kind (GPU model, compute capability,
+driver), check arguments, kernel sources (``_SOURCES``: editing one proves again),
+Triton, torch and Python.
 """
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from llm_operator.kernels import artifact_proof, self_check
+from llm_operator.kernels import artifact_proof, self_check, self_check_fused
 
-__all__ = ["PROBE", "prove_triton", "proven_check_triton"]
+__all__ = [
+    "FUSED_PROBE",
+    "PROBE",
+    "prove_triton",
+    "prove_triton_fused",
+    "proven_check_triton",
+    "proven_check_triton_fused",
+]
 
-# The child's entry point; tests point it at a crashing probe.
+# The children's entry points; tests point them at a crashing probe.
 PROBE = "llm_operator.kernels.triton_proof:prove_triton"
-# What the check's outcome depends on besides the machine: these sources and Triton.
-_SOURCES = ("triton_attention.py", "self_check.py", "torch_attention.py", "metadata.py")
+FUSED_PROBE = "llm_operator.kernels.triton_proof:prove_triton_fused"
+# What the checks' outcomes depend on besides the machine: these sources and Triton.
+_SOURCES = (
+    "triton_attention.py", "self_check.py", "torch_attention.py", "metadata.py",
+    "triton_fused.py", "triton_fused_kernels.py", "self_check_fused.py",
+)  # fmt: skip
 
 
 def proven_check_triton(
@@ -79,6 +95,55 @@ def prove_triton(
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
     )
+
+
+def proven_check_triton_fused(
+    device: torch.device | str,
+    dtype: torch.dtype,
+    reference: str,
+    *,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    eps: float = 1e-6,
+    identity: str = "",
+) -> str | None:
+    """``self_check_fused.check_triton_fused``'s result, run first in a child process
+    (``FUSED_PROBE``, cached): the child's failure (a crash, a hang, a disagreement) when it
+    failed there, else the check run in this process. ``reference``: "module:attribute"
+    naming the eager regions; ``identity``: what else the outcome depends on (the
+    reference's sources). ValueError for a bad dtype or size."""
+    device = torch.device(device)
+    sizes = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+             "hidden_size": hidden_size, "intermediate_size": intermediate_size}  # fmt: skip
+    self_check_fused.check_arguments(dtype, **sizes)
+    arguments = {
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "reference": reference,
+        "eps": float(eps),
+        **sizes,
+    }
+    verdict = artifact_proof.prove(
+        "Triton fused self-check",
+        FUSED_PROBE,
+        arguments,
+        directory=artifact_proof.default_directory(),
+        identity=f"{_identity()} {identity}".strip(),
+        device=str(device) if device.type == "cuda" else "cpu",
+    )
+    if not verdict.passed:
+        return self_check._clip(f"it failed in a child process: {verdict.reason}")
+    artifact_proof.announce_load("the Triton elementwise kernels (self-check) on", device)
+    return self_check_fused.check_triton_fused(device, dtype, reference, eps=eps, **sizes)
+
+
+def prove_triton_fused(device: str, dtype: str, reference: str, **sizes: Any) -> str | None:
+    """The child's side of ``proven_check_triton_fused``: ``check_triton_fused`` on
+    JSON-able arguments (the sizes and ``eps``)."""
+    return self_check_fused.check_triton_fused(device, getattr(torch, dtype), reference, **sizes)
 
 
 def _identity() -> str:

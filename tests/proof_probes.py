@@ -5,6 +5,7 @@ so a child costs tens of milliseconds; each takes and ignores the real probes' a
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 from pathlib import Path
 
@@ -36,3 +37,30 @@ def disagrees(**_: object) -> str:
 
 def raises(**_: object) -> None:
     raise ValueError("bad probe input\nsecond line")
+
+
+def no_compiler(**_: object) -> None:
+    """A build that fails as one without a C++ compiler does (raises)."""
+    raise RuntimeError("no C++ compiler found")
+
+
+def builds(
+    staged: str,
+    marker: str | None = None,
+    sleep: float = 0.0,
+    reason: str | None = None,
+    write: bool = True,
+    **_: object,
+) -> str | None:
+    """A build: counts, sleeps, writes ``staged`` (unless not ``write``), returns ``reason``."""
+    _count(marker)
+    time.sleep(sleep)
+    if write:
+        Path(staged).write_text("built")
+    return reason
+
+
+def records_pid(marker: str, **_: object) -> None:
+    """Appends this process's id to ``marker``."""
+    with Path(marker).open("a") as file:
+        file.write(f"{os.getpid()}\n")

@@ -49,23 +49,19 @@ def test_a_package_that_crashes_its_proof_falls_back_to_eager(proofs, tiny_llama
     prompts = three_level_prompts()[:4]
     _, eager, _ = _generate(tiny_llama_dir, prompts)
 
-    def build_garbage(self, path, module, args, threads):  # no inductor run: a bad build
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(b"not a package")
-
     proofs.setenv(fused.COMPILE_ENV, "on")
     proofs.setattr(fused, "FALLBACK", fused._Fallback())
     proofs.setattr(fused, "COMPILED_OPS", fused.CompiledOps(cache_dir=tmp_path))
-    proofs.setattr(aot_packages.PackageCache, "_compile", build_garbage)
-    proofs.setattr(aot_packages, "PROBE", "proof_probes:segfaults")
+    proofs.setattr(aot_packages, "BUILD_PROBE", "proof_probes:segfaults")  # builds, proves
     _, results, caught = _generate(tiny_llama_dir, prompts)
     assert len(caught) == 1, [str(w.message) for w in caught]
     message = str(caught[0].message)
     assert "PackageProofError" in message and "killed by SIGSEGV" in message
     assert [r.token_ids for r in results] == [r.token_ids for r in eager]
     assert fused.FALLBACK.failed and not fused.COMPILED_OPS.packages.runners
-    (verdict,) = tmp_path.glob("*.proof.json")  # the first package proved; none after
+    (verdict,) = tmp_path.glob("*.proof.json")  # the first package's build; none after
     assert json.loads(verdict.read_text())["passed"] is False
+    assert not list(tmp_path.glob("*.pt2")), "nothing is left to load"
 
 
 def test_the_package_probe_loads_runs_and_compares_with_eager(proofs, tmp_path):

@@ -8,6 +8,7 @@ machine. 600 tokens takes the multi-threaded CPU build, fewer the one-thread bui
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -212,14 +213,25 @@ def _run_with_failure(monkeypatch, tmp_path, break_it) -> tuple[list, list[Tenso
     return runtime_warnings, compiled, eager
 
 
-def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch, tmp_path):
+@pytest.mark.parametrize("where", ["child", "here"])
+def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch, tmp_path, where):
+    """The build fails in the proving child (proofs on: its failure is cached beside the
+    package that never was) or in this process (proofs off)."""
     import torch._inductor
+
+    from llm_operator.kernels import artifact_proof
+    from llm_operator.models import aot_packages
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("no C++ compiler found")
 
     def break_it(ops):
-        monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiler)
+        if where == "child":
+            monkeypatch.delenv(artifact_proof.PROVE_ENV, raising=False)
+            monkeypatch.setattr(aot_packages, "BUILD_PROBE", "proof_probes:no_compiler")
+        else:
+            monkeypatch.setenv(artifact_proof.PROVE_ENV, "off")
+            monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiler)
 
     caught, compiled, eager = _run_with_failure(monkeypatch, tmp_path, break_it)
     assert len(caught) == 1
@@ -229,7 +241,12 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch, tmp_p
     assert fused.FALLBACK.failed
     monkeypatch.setenv(fused.COMPILE_ENV, "on")
     assert fused.fused_ops(torch.device("cpu"), torch.float32) is fused.EAGER_OPS
-    assert not list(tmp_path.iterdir()), "a failed build leaves no file behind"
+    left = sorted(path.name for path in tmp_path.iterdir())
+    if where == "child":  # the failed build's verdict and lock: no package, no staged file
+        assert [name.rsplit(".", 3)[-2:] for name in left] == [["proof", "json"], ["proof", "lock"]]
+        assert "no C++ compiler found" in json.loads((tmp_path / left[0]).read_text())["reason"]
+    else:
+        assert not left, "a failed build leaves no file behind"
 
 
 def test_runtime_failure_falls_back_to_eager_with_one_warning(monkeypatch, tmp_path):

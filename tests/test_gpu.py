@@ -181,6 +181,24 @@ def test_self_check_passes(dtype, num_heads, num_kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "sizes",
+    [(9, 3, 64, 576, 1536), (24, 8, 128, 3072, 8192)],
+    ids=["smollm2-135m", "llama-3b"],
+)
+def test_fused_self_check_passes(dtype, sizes):
+    """The engine's start-up check of the elementwise kernels (against eager on the GPU),
+    at the 135M and 3B sizes."""
+    from llm_operator.kernels.self_check_fused import check_triton_fused
+
+    names = ("num_heads", "num_kv_heads", "head_dim", "hidden_size", "intermediate_size")
+    reason = check_triton_fused(
+        "cuda", dtype, "llm_operator.models.fused:EAGER_OPS", **dict(zip(names, sizes))
+    )
+    assert reason is None, reason
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_attend_merges_levels_in_place(dtype):
     """The engine's attention call (own part, then each segment level merged into one
     state in place) on the GPU against the reference's parts merged on the CPU."""

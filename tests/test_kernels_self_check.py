@@ -351,3 +351,106 @@ def test_native_engine_checks_with_the_model_heads_and_falls_back(
     ]
     assert [r.error for r in results] == [None, None]
     assert all(r.completion_tokens > 0 for r in results)
+
+
+# ---------------------------------------------------------------- the elementwise kernels
+
+REFERENCE = "llm_operator.models.fused:EAGER_OPS"
+SMOLLM2 = {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64, "hidden_size": 576,
+           "intermediate_size": 1536}  # fmt: skip
+
+
+def test_fused_tolerances_are_the_triton_fused_tests_tolerances():
+    import test_triton_fused
+
+    from llm_operator.kernels import self_check_fused
+
+    assert self_check_fused.FP32_ULPS == test_triton_fused.FP32_ULPS
+    assert self_check_fused.MAX_FLIP_ULPS == test_triton_fused.MAX_FLIP_ULPS
+    assert self_check_fused.MAX_FLIP_FRACTION == test_triton_fused.MAX_FLIP_FRACTION
+    assert self_check_fused.QK_NORM_FP32_TOLERANCE == test_triton_fused.QK_NORM_FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("sizes", [{}, SMOLLM2], ids=["tiny", "smollm2"])
+def test_real_fused_kernels_pass_in_the_interpreter(dtype, sizes, monkeypatch):
+    """Every launcher, on a decode step and a batch of several programs, against the eager
+    regions (an object, or named for a child process)."""
+    from llm_operator.kernels import self_check_fused
+    from llm_operator.kernels import triton_fused as tf
+    from llm_operator.models import fused
+
+    calls = []
+    for name in ("rms_norm", "add_rms_norm", "qkv_rope", "qkv_rope_store", "silu_mul"):
+        function = getattr(tf, name)
+        monkeypatch.setattr(tf, name, lambda *a, f=function, n=name: calls.append(n) or f(*a))
+    assert self_check_fused.check_triton_fused(CPU, dtype, REFERENCE, **sizes) is None
+    assert calls == ["rms_norm"] * 2 + ["add_rms_norm"] * 2 + ["qkv_rope"] * 4 + [
+        "qkv_rope_store"
+    ] * 2 + ["silu_mul"] * 2  # fmt: skip
+    assert self_check_fused.check_triton_fused(CPU, dtype, fused.EAGER_OPS, **sizes) is None
+
+
+def _broken(monkeypatch, name, replacement, dtype=torch.bfloat16) -> str | None:
+    from llm_operator.kernels import self_check_fused
+    from llm_operator.kernels import triton_fused as tf
+
+    monkeypatch.setattr(tf, name, replacement)
+    return self_check_fused.check_triton_fused(CPU, dtype, REFERENCE)
+
+
+def test_fused_kernels_that_disagree_are_named(monkeypatch):
+    from llm_operator.kernels import triton_fused as tf
+    from llm_operator.models import fused
+
+    silu_mul = tf.silu_mul
+    reason = _broken(
+        monkeypatch, "silu_mul", lambda g: (silu_mul(g).view(torch.int16) + 1).view(g.dtype)
+    )
+    # 1 + 19 tokens x 128: every value one ulp off, past the 1% of rare flips.
+    assert reason == (
+        "silu_mul: activated differs from the reference's at 2560 of 2560 values "
+        "(at most 1%, each at most 2 ulp)"
+    )
+    monkeypatch.undo()
+
+    qkv_rope = tf.qkv_rope
+
+    def unnormed_k(qkv, cos, sin, q_norm, k_norm, eps, *heads):
+        q, _, v = qkv_rope(qkv, cos, sin, q_norm, k_norm, eps, *heads)
+        return q, fused.qkv_rope(qkv, cos, sin, None, None, eps, *heads)[1], v
+
+    reason = _broken(monkeypatch, "qkv_rope", unnormed_k)
+    assert reason is not None and reason.startswith("qkv_rope (q/k norm): k normed is "), reason
+    reason = _broken(monkeypatch, "qkv_rope", unnormed_k, torch.float32)
+    assert reason is not None and reason.startswith("qkv_rope (q/k norm): k normed max error")
+    assert "(atol 1e-05, rtol 1e-05)" in reason, reason
+
+
+def test_a_store_that_writes_nothing_is_named(monkeypatch):
+    from llm_operator.kernels import triton_fused as tf
+
+    reason = _broken(monkeypatch, "qkv_rope_store", lambda *args: tf.qkv_rope(*args[:9]))
+    # The decode token's and 18 of the 19 batch tokens' slots (one is -1), x 2 kv heads x 32,
+    # stay NaN in caches of 3 and 7 blocks of 4 slots.
+    assert reason == "qkv_rope_store: k_cache differs from the reference's at 1216 of 2560 values"
+
+
+def test_fused_exceptions_and_a_missing_reference_become_reasons(monkeypatch):
+    from llm_operator.kernels import self_check_fused
+
+    def compile_error(*args):
+        raise RuntimeError("at 3:4:\n    x = tl.load(p)\nPTX assembly failed")
+
+    assert _broken(monkeypatch, "rms_norm", compile_error) == (
+        "rms_norm raised RuntimeError: at 3:4: x = tl.load(p) PTX assembly failed"
+    )
+    assert self_check_fused.check_triton_fused(CPU, torch.float32, "no_such_module:X") == (
+        "import the reference raised ModuleNotFoundError: No module named 'no_such_module'"
+    )
+    with pytest.raises(ValueError, match="dtype"):
+        self_check_fused.check_triton_fused(CPU, torch.int32, REFERENCE)
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        self_check_fused.check_triton_fused(CPU, torch.float32, REFERENCE, head_dim=15)
+    with pytest.raises(ValueError, match="hidden_size must be a positive int"):
+        self_check_fused.check_triton_fused(CPU, torch.float32, REFERENCE, hidden_size=0)

@@ -78,6 +78,13 @@ def _native(config: EngineConfig, info: ModelInfo, tokenizer, device, dtype):
         num_kv_heads=heads.num_kv_heads,
         head_dim=heads.head_dim,
     )
+    if kernels.triton_device(device):  # and the elementwise regions' kernels (eager on failure)
+        try:
+            from llm_operator.models import triton_ops
+        except ImportError:
+            triton_ops = None  # no Triton: the regions run eagerly there anyway
+        if triton_ops is not None:
+            triton_ops.ensure_checked(device, dtype, model.config)
     config = config.with_batch_defaults(gpu_memory(device, config.gpu_share))
     return NativeBackend(model, config, kv_cache_bytes=kv_budget(config, device))
 

@@ -13,6 +13,12 @@ shaped like the build's (1 and 7 rows), and compares its outputs with the eager 
 the verdict is cached beside the package, once per machine kind. A package that crashes,
 hangs or disagrees there raises ``PackageProofError`` here instead of taking the process
 down (``fused.CompiledOps`` then runs every region eagerly, after one RuntimeWarning).
+A package not yet on disk is built by that child too (``build_package``: export, compile
+to a temporary name, then the proof; ``artifact_proof.prove_build`` renames it into place
+and records the verdict), so this process only loads; and on the CPU the children
+are one ``ProbeWorker``, which imports torch and inductor once for all of a process's
+packages (on CUDA one child each: a CUDA context must not outlive its proof). With
+``LLM_OPERATOR_PROVE=off`` packages are built and loaded here, unproven.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ Runner = Callable[[list[Tensor]], list[Tensor]]
 # The eager module a package is checked against in its proof: ("module:Class", init args).
 Reference = tuple[str, Sequence[Any]]
 PROBE = "llm_operator.models.aot_packages:prove_package"
+BUILD_PROBE = "llm_operator.models.aot_packages:build_package"  # builds, then PROBE's checks
 # A package's outputs against its eager module's on the proof's random inputs: rounding
 # apart (bf16/fp16: a couple of ulp), they agree.
 PROOF_TOLERANCE: dict[str, dict[str, float]] = {
@@ -62,10 +69,12 @@ class PackageCache:
     ``threads`` OpenMP threads (1: no parallel region), unless the directory already holds
     the package. Before loading it, proves it in a child process (module docstring;
     ``reference``: the eager module to compare with there, else it only has to run) and
-    raises ``PackageProofError`` when that fails. Runners trust their inputs: contiguous, of the built dtype, device and
-    fixed sizes; callers check. ``log``: (key, "compiled" or "loaded", seconds). Builds
-    are serialized in a process; across processes a package is written to a temporary
-    name and renamed, so readers see whole files.
+    raises ``PackageProofError`` when that fails. With a ``reference`` (and proofs on) that
+    child also builds the package (``build_package``), so this process only loads it.
+    Runners trust their inputs: contiguous, of the built dtype, device and fixed sizes;
+    callers check. ``log``: (key, "compiled" or "loaded", seconds). Builds are serialized
+    in a process, and across processes under a file lock; a package is written to a
+    temporary name and renamed, so readers see whole files.
     """
 
     def __init__(self, directory: Path | None = None, sources: Sequence[Path] = ()) -> None:
@@ -93,12 +102,12 @@ class PackageCache:
             started = time.perf_counter()
             device = args[0].device
             path = self._path(key, device)
-            action = "loaded"
-            if not path.is_file():
+            action = "loaded" if path.is_file() else "compiled"
+            proven_build = reference is not None and artifact_proof.prove_mode() != "off"
+            if action == "compiled" and not proven_build:  # trusted, or proved below
                 self._compile(path, module, args, threads)
-                action = "compiled"
             index = device.index if device.type == "cuda" and device.index is not None else -1
-            _prove(path, args, reference, device, index)
+            _prove(path, args, reference, device, index, threads)  # a child builds it if absent
             artifact_proof.announce_load("the AOTInductor package", path)
             runner = torch._inductor.aoti_load_package(str(path), device_index=index).loader.run
             self.runners[key] = runner
@@ -106,23 +115,13 @@ class PackageCache:
             return runner
 
     def _compile(self, path: Path, module: nn.Module, args: Sequence[Tensor], threads: int) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        options: dict[str, Any] = {"emulate_precision_casts": True}
-        if args[0].device.type == "cpu":
-            options["cpp.threads"] = threads
+        """Build the package in this process (unproven: with proofs off, or no reference)."""
         temporary = path.with_name(f"{path.stem}.{os.getpid()}-{threading.get_ident()}.pt2")
-        with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # torch.export's own deprecations
-            # Example rows: their count steers inductor's choice to parallelize loops.
-            examples, dynamic_shapes = _examples(args, tokens=7 if threads == 1 else 257)
-            exported = torch.export.export(module, examples, dynamic_shapes=dynamic_shapes)
-            try:
-                torch._inductor.aoti_compile_and_package(
-                    exported, package_path=str(temporary), inductor_configs=options
-                )
-                os.replace(temporary, path)
-            finally:
-                temporary.unlink(missing_ok=True)
+        try:
+            compile_package(temporary, module, args, threads)
+            os.replace(temporary, path)
+        finally:
+            temporary.unlink(missing_ok=True)
 
     def _path(self, key: tuple, device: torch.device) -> Path:
         from torch._inductor.runtime.runtime_utils import cache_dir
@@ -137,14 +136,35 @@ class PackageCache:
         return root / f"{key[0]}-{hashlib.sha256(identity.encode()).hexdigest()[:24]}.pt2"
 
 
+def compile_package(path: Path, module: nn.Module, args: Sequence[Tensor], threads: int) -> None:
+    """Export ``module`` (2-D inputs' first axis dynamic) and compile it to the package
+    ``path`` (``PackageCache``'s options: ``emulate_precision_casts``, ``threads`` on the
+    CPU); ``args``: inputs of the build's dtypes, devices and fixed sizes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    options: dict[str, Any] = {"emulate_precision_casts": True}
+    if args[0].device.type == "cpu":
+        options["cpp.threads"] = threads
+    with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.export's own deprecations
+        # Example rows: their count steers inductor's choice to parallelize loops.
+        examples, dynamic_shapes = _examples(args, tokens=7 if threads == 1 else 257)
+        exported = torch.export.export(module, examples, dynamic_shapes=dynamic_shapes)
+        torch._inductor.aoti_compile_and_package(
+            exported, package_path=str(path), inductor_configs=options
+        )
+
+
 def _prove(
     path: Path,
     args: Sequence[Tensor],
     reference: Reference | None,
     device: torch.device,
     index: int,
+    threads: int = 1,
 ) -> None:
-    """Raise PackageProofError unless ``path`` passed ``prove_package`` in a child process."""
+    """Raise PackageProofError unless ``path`` passed ``prove_package`` in a child process;
+    when ``path`` is absent, that child builds it first (``build_package``: ``reference``
+    compiled with ``threads``)."""
     where = "cpu" if device.type == "cpu" else (f"cuda:{index}" if index >= 0 else "cuda")
     arguments = {
         "path": str(path),
@@ -154,9 +174,19 @@ def _prove(
         "device": where,
         "device_index": index,
     }
-    verdict = artifact_proof.prove(
-        f"AOTInductor package {path.name}", PROBE, arguments, artifact=path, device=where
-    )
+    name = f"AOTInductor package {path.name}"
+    shared = device.type == "cpu"  # one child for all; a CUDA context must not outlive its proof
+    if path.is_file() or reference is None:
+        verdict = artifact_proof.prove(
+            name, PROBE, arguments, artifact=path, device=where, shared=shared
+        )
+    else:
+        build_arguments = {**arguments, "threads": threads}
+        del build_arguments["path"]
+        verdict = artifact_proof.prove_build(
+            name, PROBE, arguments, artifact=path, build=BUILD_PROBE,
+            build_arguments=build_arguments, device=where, shared=shared,
+        )  # fmt: skip
     if not verdict.passed:
         raise PackageProofError(
             f"{path.name} failed its proof, so it is not loaded: {verdict.reason} "
@@ -171,6 +201,31 @@ def _input_spec(arg: Tensor) -> dict[str, Any]:
     if arg.dim() == 2:
         shape[0] = None
     return {"shape": shape, "dtype": str(arg.dtype).removeprefix("torch.")}
+
+
+def build_package(
+    staged: str,
+    inputs: list[dict[str, Any]],
+    reference: str,
+    init: list[Any],
+    threads: int,
+    device: str,
+    device_index: int,
+) -> str | None:
+    """A build in a child process (``artifact_proof.prove_build``): ``reference``'s module
+    ("module:Class", built from ``init``) compiled for inputs like ``inputs`` on ``device``
+    with ``threads`` (``compile_package``) to ``staged``, then ``prove_package``'s checks
+    there. None when it agrees, else the first disagreement."""
+    target = torch.device(device)
+    if target.type == "cuda" and target.index is not None:
+        torch.cuda.set_device(target)
+    args = [
+        torch.zeros([1 if size is None else size for size in spec["shape"]],
+                    dtype=getattr(torch, spec["dtype"]), device=target)
+        for spec in inputs
+    ]  # fmt: skip
+    compile_package(Path(staged), _eager_module(reference, init), args, threads)
+    return prove_package(staged, inputs, reference, init, device, device_index)
 
 
 def prove_package(
@@ -192,10 +247,7 @@ def prove_package(
     if target.type == "cuda" and target.index is not None:
         torch.cuda.set_device(target)
     runner = torch._inductor.aoti_load_package(path, device_index=device_index).loader.run
-    eager = None
-    if reference is not None:
-        module_name, _, class_name = reference.partition(":")
-        eager = getattr(importlib.import_module(module_name), class_name)(*init)
+    eager = None if reference is None else _eager_module(reference, init)
     generator = torch.Generator().manual_seed(20240917)
     for rows in (1, 7):
         tensors = []
@@ -224,6 +276,12 @@ def prove_package(
                 error = (actual.float() - expected.float()).abs().nan_to_num(float("inf")).max()
                 return f"output {number} on {rows} rows differs from eager by up to {error:.3g}"
     return None
+
+
+def _eager_module(reference: str, init: Sequence[Any]) -> nn.Module:
+    """The module ``reference`` names ("module:Class"), built from ``init``."""
+    module_name, _, class_name = reference.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)(*init)
 
 
 def _examples(args: Sequence[Tensor], tokens: int) -> tuple[tuple[Tensor, ...], tuple]:
