@@ -174,33 +174,30 @@ class StepBuilder:
         """The step's token-packed inputs and attention layout on the host (see the module
         docstring)."""
         count = len(chunks)
-        table_rows = [0] * count
-        starts = [0] * count
-        lengths = [0] * count
-        prefixes = [0] * count
-        chain_ids = [0] * count
-        chain_index: dict[tuple[int, ...], int] = {(): -1}
-        ids: list[int] = []
-        sampled: list[ScheduledChunk] = []
-        sample_at: list[int] = []
-        for c, chunk in enumerate(chunks):
-            seq, start, length, sample = chunk
+        # one comprehension per field: a thousand decode rows cost ~0.1 ms a field
+        seqs = [chunk[0] for chunk in chunks]
+        for seq in seqs:
             if seq.blocks is not seq.synced_blocks or len(seq.blocks) != seq.synced_count:
                 self._sync(seq)
-            table_rows[c], starts[c], lengths[c] = seq.table_row, start, length
-            prefixes[c] = seq.prefix_length
-            if length == 1:
-                ids.append(seq.tokens[start])
-            else:
-                ids.extend(seq.tokens[start : start + length])
-            chain = seq.chain
-            index = chain_index.get(chain)
-            if index is None:
-                index = chain_index[chain] = len(chain_index) - 1
-            chain_ids[c] = index
-            if sample:
-                sampled.append(chunk)
-                sample_at.append(c)
+        table_rows = [seq.table_row for seq in seqs]
+        starts = [chunk[1] for chunk in chunks]
+        lengths = [chunk[2] for chunk in chunks]
+        prefixes = [seq.prefix_length for seq in seqs]
+        if max(lengths, default=1) == 1:
+            ids = [seq.tokens[start] for seq, start in zip(seqs, starts)]
+        else:
+            ids = [
+                token
+                for seq, start, length in zip(seqs, starts, lengths)
+                for token in seq.tokens[start : start + length]
+            ]
+        chain_index = {(): -1}
+        for chain in {seq.chain for seq in seqs}:
+            if chain:
+                chain_index[chain] = len(chain_index) - 1
+        chain_ids = [chain_index[seq.chain] for seq in seqs]
+        sample_at = [c for c, chunk in enumerate(chunks) if chunk[3]]
+        sampled = [chunks[c] for c in sample_at]
         bs = self.block_size
         rows_np = np.array(table_rows, dtype=np.int64)
         start_np = np.array(starts, dtype=np.int64)
