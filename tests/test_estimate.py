@@ -205,11 +205,17 @@ def test_auto_sample_stays_within_its_cap_and_budget(tiny_llama_dir, cache):
 def test_executors_split_a_large_group(tiny_llama_dir, cache):
     """One prefix group larger than an even share is cut over the executors (as
     co_locate cuts it): more executors finish sooner, and their machine time grows by the
-    prefix each piece prefills again."""
+    prefix each piece prefills again. Each row has a long own part, so the rows' work,
+    not the per-step cost every executor pays alike, decides the time."""
     op = LLMOperator(tiny_llama_dir, backend="native")
-    prompts = [f"{SYSTEM_PREFIX} question number {i} about the weather" for i in range(16)]
+    prompts = [
+        f"{SYSTEM_PREFIX} question number {i}: "
+        + " ".join(f"item{i * 31 + j} weather{j}" for j in range(12))
+        for i in range(16)
+    ]
     sampling = SamplingParams(max_tokens=6, ignore_eos=True)
     one = op.estimate(prompts, sampling)
     four = op.estimate(prompts, sampling, executors=4)
+    assert one.error_rows == 0 and one.prompt_tokens > 16 * 60  # long own parts, all fit
     assert four.executor_seconds < 0.6 * one.seconds
     assert four.machine_hours * 3600 >= one.seconds * 0.9
