@@ -8,9 +8,11 @@ and 0.6x on others. The compiled kernel (``kernels/cpu_kernels.cpp``, ``packed_l
 reads a weight packed once at load time (``pack_weight``) as one stream per 16 output
 columns: on that AMD EPYC it streams SmolLM2's fp32 weights at ~29 GB/s for one decode row
 where oneDNN reached ~14, and ran 1.2-1.5x oneDNN's at 16-1,024 rows. So the first time a
-shape is seen, ``GemmChoice`` times each candidate on that very input and keeps the
-fastest for every later call of that shape: rows are bucketed by powers of two, so a job
-tunes a dozen or so shapes once, in milliseconds (``tune`` does it when an engine starts).
+shape is seen on a machine kind, ``GemmChoice`` times each candidate on that very input
+and keeps the fastest for every later call of that shape: rows are bucketed by powers of
+two, so a job tunes a dozen or so shapes once, in milliseconds (``tune`` does it when an
+engine starts). The choice is stored for the machine kind (``gemm_store``): later
+processes of that kind read it instead of timing again, so they all round alike.
 
 All compute the same products; their rounding differs at the 1e-6 relative level (fp32).
 ``LLM_OPERATOR_GEMM=aten|onednn|packed`` forces one (``auto``, the default, measures;
@@ -23,9 +25,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor, nn
+
+from llm_operator.models.gemm_store import GemmStore, default_store
 
 GEMM_ENV = "LLM_OPERATOR_GEMM"
 _CHOICES = ("auto", "aten", "onednn", "packed")
@@ -102,10 +107,33 @@ class GemmChoice:
     time take the packed kernel, else oneDNN's where they exist. Thread-safe.
     """
 
-    def __init__(self, onednn: bool | None = None) -> None:
+    def __init__(
+        self, onednn: bool | None = None, store: GemmStore | None | str = "default"
+    ) -> None:
+        """store: where choices are kept across processes; "default": this machine kind's
+        (``gemm_store.default_store``, resolved at each first measurement of a shape, as
+        the cache folder and the loaded kernels say then); None: this process only."""
         self.onednn = _onednn_available() if onednn is None else onednn
         self.choices: dict[tuple, str] = {}
+        self.store = store
         self._lock = threading.Lock()
+
+    def _stored(self) -> GemmStore | None:
+        if self.store != "default":
+            return self.store
+        return default_store(self.onednn)
+
+    def _choose(self, key: tuple, measure: Callable[[], str]) -> str:
+        """``key``'s choice: the one stored for this machine kind, else measured now and
+        stored (or, when another process stored one meanwhile, that one)."""
+        store = self._stored()
+        name = store.get(key) if store is not None else None
+        if name is None:
+            name = measure()
+            if store is not None:
+                name = store.record(key, name)
+        self.choices[key] = name
+        return name
 
     def __call__(
         self, x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: Tensor | None = None
@@ -127,8 +155,8 @@ class GemmChoice:
         name = self.choices.get(key)
         if name is None:
             with self._lock:
-                name = self.choices.get(key) or self._measure_one(
-                    key, x, weight, bias, packed, kernel
+                name = self.choices.get(key) or self._choose(
+                    key, partial(self._measure_one, key, x, weight, bias, packed, kernel)
                 )
         return self._run(name, x, weight, bias, packed, kernel)
 
@@ -188,7 +216,7 @@ class GemmChoice:
                     self(x, weight, None, packed)
                 elif rows * out_features * in_features >= MIN_TIMED_MACS:
                     with self._lock:
-                        self._measure(key, x, pairs, kernel)
+                        self._choose(key, partial(self._measure, key, x, pairs, kernel))
 
     def _measure_one(self, key: tuple, x, weight, bias, packed, kernel) -> str:
         names = ["aten"] + ["onednn"] * self.onednn + ["packed"] * (kernel is not None)
@@ -202,9 +230,7 @@ class GemmChoice:
                 self._run(name, x, weight, bias, packed, kernel)
                 elapsed = time.perf_counter() - started
                 best[name] = min(best.get(name, elapsed), elapsed)
-        name = min(best, key=best.__getitem__)
-        self.choices[key] = name
-        return name
+        return min(best, key=best.__getitem__)
 
     def _measure(self, key: tuple, x: Tensor, pairs, kernel) -> str:
         """Time each candidate on x against every (weight, packed) of ``pairs`` in turn (the
@@ -218,9 +244,7 @@ class GemmChoice:
                     self._run(name, x, weight, None, packed, kernel)
                 elapsed = time.perf_counter() - started
                 best[name] = min(best.get(name, elapsed), elapsed)
-        name = min(best, key=best.__getitem__)
-        self.choices[key] = name
-        return name
+        return min(best, key=best.__getitem__)
 
 
 # One per process: the measurements describe this machine, not a model or a job.
