@@ -370,6 +370,27 @@ def device_tensor(array: np.ndarray, device: torch.device | str) -> Tensor:
     return tensor.to(device)
 
 
+def _used_blocks(
+    name: str, tables: np.ndarray, lengths: np.ndarray, block_size: int, num_blocks: int
+) -> np.ndarray:
+    """``tables`` [B, width] cut to the blocks ``lengths`` [B] tokens use, int32, padding
+    past each row's used blocks zeroed; ValueError when a row has too few columns or a used
+    block id lies outside [0, num_blocks) (``_check_blocks``, vectorized)."""
+    needed = -(-lengths // block_size)
+    width = int(needed.max()) if needed.size else 0
+    if width > tables.shape[1]:
+        b = int(np.argmax(needed))
+        raise ValueError(
+            f"{name}[{b}]: {int(lengths[b])} tokens need {width} blocks of {block_size} "
+            f"but the table has {tables.shape[1]} columns"
+        )
+    used = tables[:, :width].astype(np.int32)
+    used[np.arange(width)[None, :] >= needed[:, None]] = 0  # padding past the used blocks
+    if used.size and (used.min() < 0 or used.max() >= num_blocks):
+        raise ValueError(f"{name} values must lie in [0, {num_blocks})")
+    return used
+
+
 def own_batch_arrays(
     query_start: np.ndarray,
     block_tables: np.ndarray,
@@ -410,18 +431,7 @@ def own_batch_arrays(
         raise ValueError(
             f"context_lens[{b}] = {int(lengths[b])} must be >= its {int(rows[b])} query rows"
         )
-    needed = -(-lengths // block_size)
-    width = int(needed.max()) if count else 0
-    if width > tables.shape[1]:
-        b = int(np.argmax(needed))
-        raise ValueError(
-            f"block_tables[{b}]: {int(lengths[b])} tokens need {width} blocks of {block_size} "
-            f"but the table has {tables.shape[1]} columns"
-        )
-    used = tables[:, :width].astype(np.int32)
-    used[np.arange(width)[None, :] >= needed[:, None]] = 0  # padding past the used blocks
-    if used.size and (used.min() < 0 or used.max() >= num_blocks):
-        raise ValueError(f"block_tables values must lie in [0, {num_blocks})")
+    used = _used_blocks("block_tables", tables, lengths, block_size, num_blocks)
     return OwnBatch(
         query_start=device_tensor(starts.astype(np.int32), device),
         block_tables=device_tensor(used, device),
@@ -474,14 +484,7 @@ def prefix_batch_arrays(
             raise ValueError(f"rows values must lie in [0, {num_rows})")
         if np.bincount(flat, minlength=num_rows).max() > 1:
             raise ValueError("a q row is in two segments of one batch")
-    needed = -(-sizes // block_size)
-    width = int(needed.max()) if segments else 0
-    if width > tables.shape[1]:
-        raise ValueError(f"a segment needs {width} blocks but the table has {tables.shape[1]}")
-    used = tables[:, :width].astype(np.int32)
-    used[np.arange(width)[None, :] >= needed[:, None]] = 0
-    if used.size and (used.min() < 0 or used.max() >= num_blocks):
-        raise ValueError(f"block_tables values must lie in [0, {num_blocks})")
+    used = _used_blocks("block_tables", tables, sizes, block_size, num_blocks)
     counts = np.diff(starts)
     return PrefixBatch(
         rows=device_tensor(flat, device),

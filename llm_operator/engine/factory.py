@@ -27,8 +27,6 @@ def build_backend(config: EngineConfig, info: ModelInfo, tokenizer):
             "token_batching=False is an ablation of the native backend; the "
             f"{name} backend (chosen here: backend={config.backend!r}) always re-batches"
         )
-    if name != "native":  # their batch sizes are the CPU's everywhere
-        config = config.with_batch_defaults(None)
     if name == "vllm":
         from llm_operator.engine.vllm.backend import VLLMBackend
 

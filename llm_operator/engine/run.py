@@ -165,29 +165,17 @@ class Run:
         constraint, forced tokens, logprobs or stop strings; the caller checks): whether
         each finished. Progress is reported once."""
         finished_flags = []
-        finished_rows = new_tokens = 0
+        finished_rows = 0
         requests = self.requests
         for request_id, token in zip(request_ids, tokens):
             request = requests[request_id]
-            decoder = request.decoder
-            decoder.token_ids.append(token)
-            if token in decoder.eos_token_ids:
-                decoder.finish_reason = "stop"
-            elif len(decoder.token_ids) >= decoder.max_tokens:
-                decoder.finish_reason = "length"
-            else:
-                finished_flags.append(False)
-                new_tokens += 1
-                continue
-            finished_flags.append(True)
-            request.output = self._output(request)
-            self.unanswered -= 1
-            new_tokens += 1
-            if request.forced is None:
-                finished_rows += len(request.planned.rows)
+            finished = request.decoder.append(token)
+            if finished:
+                finished_rows += self._answer(request, self._output(request))
+            finished_flags.append(finished)
         self.output_tokens += len(finished_flags)
-        if self.progress is not None and finished_flags:
-            self.progress(finished_rows, new_tokens)
+        if finished_flags:
+            self._report(finished_rows, len(finished_flags))
         return finished_flags
 
     def append(self, request_id: int, token: int) -> bool:
@@ -299,12 +287,15 @@ class Run:
         )
 
     def _set(self, request: Request, output: RequestOutput, *, new_tokens: int) -> None:
+        self._report(self._answer(request, output), new_tokens)
+
+    def _answer(self, request: Request, output: RequestOutput) -> int:
+        """Set the request's output; returns the user's rows it finishes."""
         assert request.output is None, f"request {request.request_id} answered twice"
         request.output = output
         self.unanswered -= 1
         # a scoring request (a choice fed to score it) finishes no row of the user's
-        rows = 0 if request.forced is not None else len(request.planned.rows)
-        self._report(rows, new_tokens)
+        return 0 if request.forced is not None else len(request.planned.rows)
 
     def _report(self, finished_rows: int, new_tokens: int) -> None:
         if self.progress is not None:

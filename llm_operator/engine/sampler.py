@@ -37,8 +37,8 @@ _MASK31 = (1 << 31) - 1
 _MIX = 0x45D9F3B  # < 2**27: a 31-bit value times it stays below 2**58 in int64
 
 
-def _mix(x: int) -> int:
-    """A 31-bit integer hash (host)."""
+def _mix(x):
+    """A 31-bit integer hash of a Python int or, element-wise, an int64 tensor."""
     x = (((x >> 16) ^ x) * _MIX) & _MASK31
     x = (((x >> 16) ^ x) * _MIX) & _MASK31
     return (x >> 16) ^ x
@@ -53,10 +53,7 @@ def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """keys [rows] int64 (``row_step_key``) -> Gumbel(0, 1) noise [rows, vocab] float32 on
     ``keys``' device: each token's uniform draw is a hash of its row's key and its id."""
     index = torch.arange(vocab, device=keys.device, dtype=torch.int64)
-    x = keys[:, None] ^ index[None, :]  # [rows, vocab], 31-bit
-    x = (((x >> 16) ^ x) * _MIX) & _MASK31
-    x = (((x >> 16) ^ x) * _MIX) & _MASK31
-    x = (x >> 16) ^ x
+    x = _mix(keys[:, None] ^ index[None, :])  # [rows, vocab], 31-bit
     uniform = ((x >> 7).to(torch.float32) + 0.5) * 2.0**-24  # 24 bits: exact, in (0, 1)
     return -torch.log(-torch.log(uniform))
 

@@ -156,7 +156,7 @@ class GemmChoice:
         if name is None:
             with self._lock:
                 name = self.choices.get(key) or self._choose(
-                    key, partial(self._measure_one, key, x, weight, bias, packed, kernel)
+                    key, partial(self._measure_one, x, weight, bias, packed, kernel)
                 )
         return self._run(name, x, weight, bias, packed, kernel)
 
@@ -216,9 +216,9 @@ class GemmChoice:
                     self(x, weight, None, packed)
                 elif rows * out_features * in_features >= MIN_TIMED_MACS:
                     with self._lock:
-                        self._choose(key, partial(self._measure, key, x, pairs, kernel))
+                        self._choose(key, partial(self._measure, x, pairs, kernel))
 
-    def _measure_one(self, key: tuple, x, weight, bias, packed, kernel) -> str:
+    def _measure_one(self, x, weight, bias, packed, kernel) -> str:
         names = ["aten"] + ["onednn"] * self.onednn + ["packed"] * (kernel is not None)
         best: dict[str, float] = {}
         # the first round also warms each up; a product of 2**30 multiply-adds or more
@@ -232,9 +232,9 @@ class GemmChoice:
                 best[name] = min(best.get(name, elapsed), elapsed)
         return min(best, key=best.__getitem__)
 
-    def _measure(self, key: tuple, x: Tensor, pairs, kernel) -> str:
+    def _measure(self, x: Tensor, pairs, kernel) -> str:
         """Time each candidate on x against every (weight, packed) of ``pairs`` in turn (the
-        first round also warms each up); keep the fastest for ``key``."""
+        first round also warms each up); returns the fastest's name."""
         names = ["aten"] + ["onednn"] * self.onednn + ["packed"] * (kernel is not None)
         best: dict[str, float] = {}
         for _ in range(2):

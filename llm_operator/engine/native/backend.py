@@ -28,8 +28,8 @@ from llm_operator.config import EngineConfig
 from llm_operator.engine.native.block_manager import BlockManager
 from llm_operator.engine.native.decode_graphs import DecodeGraphs
 from llm_operator.engine.native.op_profile import OpProfile, TimedOps, profiling_requested
-from llm_operator.engine.native.overlap import OverlappedSteps, overlap_mode
-from llm_operator.engine.native.scheduler import ScheduledChunk, Scheduler
+from llm_operator.engine.native.overlap import OverlappedSteps, overlap_mode, patch_input_ids
+from llm_operator.engine.native.scheduler import KVSequence, ScheduledChunk, Scheduler
 from llm_operator.engine.native.step_builder import HostStep, StepAttention, StepBatch, StepBuilder
 from llm_operator.engine.run import Run
 from llm_operator.models import fused
@@ -321,9 +321,9 @@ class _NativeSteps:
     def logits(self, plan: HostStep, patch=None, *, regions=None, compute_logits=None):
         """The step on the device: [sampled, vocab] float32 logits of its sampled rows
         (None when none samples), through a decode graph where one takes the step, else
-        the eager (or compiled CPU) forward. ``patch``: (token rows, indices, tokens): the
-        step's input ids at those rows are ``tokens[indices]``, copied on the device
-        (``OverlappedSteps``). Counts the step's host-to-device work as forward time."""
+        the eager (or compiled CPU) forward. ``patch``: the guessed rows' input ids to copy
+        on the device (``overlap.patch_input_ids``). Building the eager step's device
+        tensors is host work: its seconds are left in ``upload_seconds`` for the caller."""
         graphs = self.graphs
         self.upload_seconds = 0.0  # building the eager step's device tensors (host work)
         if graphs is not None and graphs.accepts(plan):  # a decode step: replayed
@@ -333,11 +333,7 @@ class _NativeSteps:
         batch = self.builder.to_device(plan)
         self.upload_seconds = time.perf_counter() - started
         if patch is not None:
-            rows, indices, tokens = patch
-            device = batch.input_ids.device
-            batch.input_ids[torch.from_numpy(rows).to(device)] = tokens[
-                torch.from_numpy(indices).to(device)
-            ]
+            patch_input_ids(batch.input_ids, patch)
         hidden = self._forward(batch, regions)
         if not batch.sampled:
             return None
@@ -375,13 +371,12 @@ class _NativeSteps:
         finishes, or decodes on (with any tokens jump-forward appended: the next step
         computes them). Rows without constraints, logprobs or stop strings go through in
         one batch (``Run.append_plain``, ``Scheduler.append_tokens``)."""
-        run, scheduler, builder = self.run, self.scheduler, self.builder
+        run, scheduler = self.run, self.scheduler
         if run.all_plain:
             going_on, going_on_tokens = [], []
             for chunk, token, finished in zip(sampled, tokens, run.append_plain(ids, tokens)):
                 if finished:
-                    scheduler.finish(chunk.seq)
-                    builder.release(chunk.seq)
+                    self.finish(chunk.seq)
                 else:
                     going_on.append(chunk.seq)
                     going_on_tokens.append(token)
@@ -389,10 +384,14 @@ class _NativeSteps:
             return
         for chunk, request_id, token in zip(sampled, ids, tokens):
             if run.append(request_id, token):
-                scheduler.finish(chunk.seq)
-                builder.release(chunk.seq)
+                self.finish(chunk.seq)
             else:
                 scheduler.append_token(chunk.seq, token, run.jumped(request_id))
+
+    def finish(self, seq: KVSequence) -> None:
+        """The request is done: the scheduler frees its blocks, the builder its table row."""
+        self.scheduler.finish(seq)
+        self.builder.release(seq)
 
     def close(self) -> None:
         stats, profile = self.scheduler.stats, self.profile

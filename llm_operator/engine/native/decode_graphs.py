@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from llm_operator import kernels
+from llm_operator.engine.native.overlap import patch_input_ids
 from llm_operator.engine.native.step_builder import HostStep, StepAttention
 from llm_operator.kernels import triton_attention as triton_kernels
 from llm_operator.models.llama import LlamaModel
@@ -190,10 +191,7 @@ class DecodeGraphs:
         self._fill(static, host, own_items, level_items)
         static.arena.copy_(static.host, non_blocking=True)
         if patch is not None:
-            rows, indices, tokens = patch
-            input_ids = static.layout.view(static.arena, "input_ids")
-            source = tokens[torch.from_numpy(indices).to(self.device, non_blocking=True)]
-            input_ids[torch.from_numpy(rows).to(self.device)] = source.to(torch.int32)
+            patch_input_ids(static.layout.view(static.arena, "input_ids"), patch)
         if static.graph is not None:
             static.graph.replay()
         elif self.capture:

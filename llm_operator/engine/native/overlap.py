@@ -41,6 +41,16 @@ OVERLAP_ENV = "LLM_OPERATOR_OVERLAP"
 STAND_IN = -1  # a guessed row's next token until the device (and then the host) has it
 
 
+def patch_input_ids(input_ids: torch.Tensor, patch) -> None:
+    """Copy, on the device, the guessed rows' real tokens into a step's input ids:
+    ``patch`` is (token rows, indices, tokens) from ``OverlappedSteps._patch``:
+    ``input_ids[rows] = tokens[indices]`` (in input_ids' dtype), no host sync."""
+    rows, indices, tokens = patch
+    device = input_ids.device
+    source = tokens[torch.from_numpy(indices).to(device, non_blocking=True)]
+    input_ids[torch.from_numpy(rows).to(device, non_blocking=True)] = source.to(input_ids.dtype)
+
+
 def overlap_mode() -> str:
     """``LLM_OPERATOR_OVERLAP`` as "auto", "on" or "off"; ValueError for another value."""
     value = os.environ.get(OVERLAP_ENV, "").strip().lower() or "auto"
@@ -147,35 +157,31 @@ class OverlappedSteps:
                 ids.append(chunk.seq.ref)
                 kept.append(tokens[k])
         guessed, ended = self.guessed, self.ended
-        scheduler, builder = steps.scheduler, steps.builder
         for seq, token, finished in zip(seqs, kept, run.append_plain(ids, kept)):
             if not finished:
                 seq.tokens[guessed[seq][0]] = token
             elif seq.status is RUNNING:  # guessed on: scheduled again, ends after that step
                 ended.add(seq)
             elif seq.status is WAITING:  # guessed on, then preempted: never runs again
-                scheduler.finish(seq)
-                builder.release(seq)
+                steps.finish(seq)
         return wait
 
     def _guess(self, sampled: list[ScheduledChunk], dropped: frozenset[int]) -> None:
         """After this step: every sampled row decodes on with a stand-in token, but rows
         whose ``max_tokens`` this step's token reaches, and rows found ended, finish now."""
         steps = self.steps
-        scheduler, builder, requests = steps.scheduler, steps.builder, steps.run.requests
+        requests = steps.run.requests
         self.guessed = guessed = {}
         for k, chunk in enumerate(sampled):
             seq = chunk.seq
             if k in dropped:
                 self.ended.discard(seq)
-                scheduler.finish(seq)
-                builder.release(seq)
+                steps.finish(seq)
                 continue
             decoder = requests[seq.ref].decoder
             # the tokens handed over so far, this step's, and the one guessed
             if len(decoder.token_ids) + 1 >= decoder.max_tokens:
-                scheduler.finish(seq)
-                builder.release(seq)
+                steps.finish(seq)
                 continue
             seq.tokens.append(STAND_IN)
             guessed[seq] = (len(seq.tokens) - 1, k)

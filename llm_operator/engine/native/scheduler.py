@@ -207,13 +207,14 @@ class Scheduler:
     def complete(self, chunks: Iterable[ScheduledChunk]) -> None:
         """The model stored these chunks' K/V: advance ``num_computed``; segments may turn READY."""
         stats = self.stats
-        for seq, start, length, sample in chunks:
+        for chunk in chunks:
+            seq, start, length, _sample = chunk
             assert seq.status is RUNNING and start == seq.num_computed, (
                 f"chunk of {seq.kind} {seq.ref} at {start} does not continue at "
                 f"{seq.num_computed} (status {seq.status})"
             )
             computed = seq.num_computed = start + length
-            if length == 1 and sample and start >= seq.prompt_length:  # a decode
+            if chunk.is_decode:
                 stats.decode_tokens += 1
             else:
                 # a sampled token and its jump-forward tokens, computed the first time
@@ -310,13 +311,6 @@ class Scheduler:
             # only the admitted request's own need changed (its segments are not requests)
             committed = (committed or 0) + max(0, self._target_blocks(seq) - len(seq.blocks))
         return chunks
-
-    def _is_decode(self, seq: KVSequence) -> bool:
-        return (
-            seq.kind is REQUEST
-            and seq.num_computed >= seq.prompt_length
-            and len(seq.tokens) - seq.num_computed == 1
-        )
 
     def _decode_block(self, seq: KVSequence, scheduled: set[KVSequence]) -> bool:
         """Cover the decode token with a block, preempting youngest first; False if seq lost."""
