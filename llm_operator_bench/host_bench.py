@@ -194,6 +194,7 @@ def run_host_bench(
 
     import torch
 
+    from llm_operator.estimate.calibration import cpu_name
     from llm_operator.models.registry import default_cache_dir
 
     cache = cache or default_cache_dir() / "bench"
@@ -203,7 +204,7 @@ def run_host_bench(
     _log("ops per layer of a decode step on the CUDA path (Triton interpreter) ...")
     ops = count_ops(model_dir)
     report = {
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "machine": platform.machine(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -233,15 +234,3 @@ def markdown(report: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
