@@ -432,6 +432,12 @@ struct Partials {  // unnormalized partial softmax results, one entry per (unit 
   std::vector<float> acc;  // [entries, dim]
   std::vector<float> max;  // [entries]
   std::vector<float> sum;  // [entries]
+  // Batch-invariant mode: each (token, query head)'s running softmax state, carried from
+  // one wave of units to the next (its shared segments, level after level, then its own
+  // keys) instead of partial results merged at the end.
+  std::vector<float> state_acc;    // [tokens * heads, dim]
+  std::vector<float> state_max;    // [tokens * heads]
+  std::vector<float> state_lanes;  // [tokens * heads, LANES]: the denominators lane by lane
 };
 
 // Scores of up to 8 query vectors q [n][dim] against 16 keys kt [dim][stride]:
@@ -627,8 +633,11 @@ struct UnitScratch {  // one thread's buffers, reused unit after unit
   std::vector<bf16_bits> key_copies;  // bf16 dot path: zero-padded partial key tiles
 };
 
+// carried: batch-invariant mode (see AttentionPlan::invariant): the unit starts from its
+// queries' running state in out.state_* and leaves it there, one block of keys a step.
 template <typename T>
-void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, UnitScratch& buffers) {
+void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, UnitScratch& buffers,
+              bool carried) {
   const int32_t* item = a.items + u.item * ITEM_FIELDS;
   const int64_t group = a.heads / a.kv_heads, dim = a.dim, block_size = a.block_size;
   const int64_t key_len = item[KEY_LEN], row_count = item[ROW_COUNT];
@@ -680,6 +689,23 @@ void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, UnitScrat
   std::fill(acc, acc + queries * dim, 0.0f);
   std::fill(run_max, run_max + queries, NEG_INF);
   std::fill(run_sum, run_sum + queries, 0.0f);
+  // the state index of unit query (r - r0) * group + j: token rows[r], head head * group + j
+  auto state_index = [&](int64_t query) {
+    return static_cast<int64_t>(rows[u.r0 + query / group]) * a.heads + u.head * group +
+           query % group;
+  };
+  if (carried) {
+    for (int64_t query = 0; query < queries; ++query) {
+      const int64_t s = state_index(query);
+      std::memcpy(acc + query * dim, out.state_acc.data() + s * dim, dim * sizeof(float));
+      run_max[query] = out.state_max[s];
+      std::memcpy(lane_sums + query * LANES, out.state_lanes.data() + s * LANES,
+                  LANES * sizeof(float));
+    }
+  }
+  // A softmax step takes up to SUB_TILES runs of keys; carried: one, so that the steps are
+  // the blocks (a function of the keys' positions when segments start on block boundaries)
+  const int sub_tiles = carried ? 1 : SUB_TILES;
   const int64_t visible_end = std::min<int64_t>(u.k1, static_cast<int64_t>(limit[queries - 1]));
   float scores[TILE_QUERIES][STEP_KEYS];  // row stride STEP_KEYS
   float weights[TILE_QUERIES][STEP_KEYS];
@@ -696,7 +722,7 @@ void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, UnitScrat
   } tiles[SUB_TILES];
   for (int64_t k = u.k0; k < visible_end;) {
     int count = 0;
-    for (; count < SUB_TILES && k < visible_end; ++count) {
+    for (; count < sub_tiles && k < visible_end; ++count) {
       const int64_t block = table[k / block_size], offset = k % block_size;
       const int width =
           static_cast<int>(std::min<int64_t>({LANES, block_size - offset, visible_end - k}));
@@ -731,7 +757,7 @@ void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, UnitScrat
       k += width;
     }
     // start loading the next step's keys and values while this one computes
-    for (int64_t next = k, t = 0; next < visible_end && t < SUB_TILES; ++t) {
+    for (int64_t next = k, t = 0; next < visible_end && t < sub_tiles; ++t) {
       const int64_t block = table[next / block_size], offset = next % block_size;
       const int64_t width = std::min<int64_t>({LANES, block_size - offset, visible_end - next});
       const char* k_bytes = reinterpret_cast<const char*>(
@@ -824,6 +850,16 @@ void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, UnitScrat
       }
     }
   }
+  if (carried) {
+    for (int64_t query = 0; query < queries; ++query) {
+      const int64_t s = state_index(query);
+      std::memcpy(out.state_acc.data() + s * dim, acc + query * dim, dim * sizeof(float));
+      out.state_max[s] = run_max[query];
+      std::memcpy(out.state_lanes.data() + s * LANES, lane_sums + query * LANES,
+                  LANES * sizeof(float));
+    }
+    return;
+  }
   for (int64_t query = 0; query < queries; ++query) {
     float total = 0.0f;
     for (int j = 0; j < LANES; ++j) total += lane_sums[query * LANES + j];
@@ -867,8 +903,18 @@ void merge_partials(const AttentionArgs<T>& a, const Partials& partials,
 
 // The units of one step's attention and where their partial results go, the same for
 // every layer: built once per step (or per paged_attention call).
+//
+// Batch-invariant mode (split_keys 0): a row's result must not depend on which rows share
+// the step, how its prompt was cut into shared segments or prefill chunks, or where it sits.
+// So no key is split off into a partial merged later: units run in waves, each (token,
+// head) carrying one running softmax state through its shared segments level by level and
+// then its own keys, one block a step; the state is normalized at the end. With segments
+// starting on block boundaries (the planner's align), a query reads the same keys in the
+// same blocks in the same order whatever else runs.
 struct AttentionPlan {
   std::vector<Unit> units;
+  bool invariant = false;
+  std::vector<int64_t> wave_start;  // invariant: units of wave w at [wave_start[w], [w + 1])
   int64_t entries = 0;
   std::vector<int64_t> part_start;  // [tokens * kv_heads + 1]: CSR over (token, kv head)
   std::vector<int64_t> parts;       // partial entries of each (token, kv head)
@@ -884,14 +930,34 @@ AttentionPlan plan_attention(const int32_t* items, int64_t num_items, const int3
   // chunks) is also cut into key chunks of split_keys, so few rows over a long prefix still
   // spread over the threads; a longer item (a prefill chunk) is cut into row tiles instead.
   const int64_t tile_rows = std::max<int64_t>(1, 256 / group);
-  for (int64_t i = 0; i < num_items; ++i) {
+  plan.invariant = split_keys <= 0;
+  // invariant: an item's wave is its table list less one (shared levels 1.., in order);
+  // own items (list 0) come last. Otherwise every item is in wave 0.
+  int64_t waves = 1;
+  if (plan.invariant)
+    for (int64_t i = 0; i < num_items; ++i)
+      waves = std::max<int64_t>(waves, items[i * ITEM_FIELDS + TABLE_LIST] + 1);
+  auto wave_of = [&](int64_t i) -> int64_t {
+    const int64_t list = items[i * ITEM_FIELDS + TABLE_LIST];
+    return !plan.invariant ? 0 : (list == 0 ? waves - 1 : list - 1);
+  };
+  std::vector<int64_t> order(num_items);
+  for (int64_t i = 0; i < num_items; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return wave_of(x) < wave_of(y); });
+  int64_t current_wave = -1;
+  for (const int64_t i : order) {
     const int32_t* item = items + i * ITEM_FIELDS;
+    for (; current_wave < wave_of(i); ++current_wave)
+      plan.wave_start.push_back(static_cast<int64_t>(plan.units.size()));
     const int64_t key_len = item[KEY_LEN], row_count = item[ROW_COUNT];
     if (key_len <= 0 || row_count <= 0) continue;
     for (int64_t r0 = 0; r0 < row_count; r0 += tile_rows) {
       const int64_t r1 = std::min(row_count, r0 + tile_rows);
       const int64_t visible = item[CAUSAL] ? key_len - row_count + r1 : key_len;
-      const int64_t chunk = row_count <= tile_rows ? split_keys : visible;
+      const int64_t chunk = plan.invariant          ? visible
+                            : row_count <= tile_rows ? split_keys
+                                                     : visible;
       for (int64_t k0 = 0; k0 < visible; k0 += chunk) {
         for (int64_t g = 0; g < kv_heads; ++g) {
           plan.units.push_back({i, g, r0, r1, k0, std::min(visible, k0 + chunk), plan.entries});
@@ -900,6 +966,8 @@ AttentionPlan plan_attention(const int32_t* items, int64_t num_items, const int3
       }
     }
   }
+  plan.wave_start.push_back(static_cast<int64_t>(plan.units.size()));
+  if (plan.invariant) return plan;  // no partial results to merge
   const int64_t pairs = tokens * kv_heads;
   plan.part_start.assign(pairs + 1, 0);
   for (const Unit& u : plan.units) {
@@ -917,22 +985,57 @@ AttentionPlan plan_attention(const int32_t* items, int64_t num_items, const int3
   return plan;
 }
 
+// Units [begin, end) of the plan, spread over the threads.
 template <typename T>
-void run_attention(const AttentionArgs<T>& a, const AttentionPlan& plan, Partials& partials,
-                   int64_t tokens, T* out) {
-  partials.acc.resize(plan.entries * a.dim);
-  partials.max.resize(plan.entries);
-  partials.sum.resize(plan.entries);
-  const int64_t count = static_cast<int64_t>(plan.units.size());
+void run_units(const AttentionArgs<T>& a, const AttentionPlan& plan, int64_t begin,
+               int64_t end, Partials& partials) {
+  const int64_t count = end - begin;
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), count));
   // units differ in size (a long segment, a one-row decode): threads take them as they go
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     UnitScratch scratch;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < count; ++u) run_unit(a, plan.units[u], partials, scratch);
+    for (int64_t u = begin; u < end; ++u)
+      run_unit(a, plan.units[u], partials, scratch, plan.invariant);
   }
-  merge_partials(a, partials, plan.part_start, plan.parts, tokens, out);
+}
+
+// invariant plans: out = acc / (the lane denominators summed in lane order), 0 without keys
+template <typename T>
+void normalize_states(const AttentionArgs<T>& a, const Partials& partials, int64_t tokens,
+                      T* out) {
+  const int64_t dim = a.dim;
+  at::parallel_for(0, tokens * a.heads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      float total = 0.0f;
+      for (int j = 0; j < LANES; ++j) total += partials.state_lanes[s * LANES + j];
+      const bool seen = partials.state_max[s] != NEG_INF && total > 0.0f;
+      const float inverse = seen ? 1.0f / total : 0.0f;
+      const float* acc = partials.state_acc.data() + s * dim;
+      for (int64_t d = 0; d < dim; ++d) store_float(out + s * dim + d, seen ? acc[d] * inverse : 0.0f);
+    }
+  });
+}
+
+template <typename T>
+void run_attention(const AttentionArgs<T>& a, const AttentionPlan& plan, Partials& partials,
+                   int64_t tokens, T* out) {
+  partials.acc.resize(plan.entries * a.dim);
+  partials.max.resize(plan.entries);
+  partials.sum.resize(plan.entries);
+  if (!plan.invariant) {
+    run_units(a, plan, 0, static_cast<int64_t>(plan.units.size()), partials);
+    merge_partials(a, partials, plan.part_start, plan.parts, tokens, out);
+    return;
+  }
+  const int64_t states = tokens * a.heads;
+  partials.state_acc.assign(states * a.dim, 0.0f);
+  partials.state_max.assign(states, NEG_INF);
+  partials.state_lanes.assign(states * LANES, 0.0f);
+  for (size_t w = 0; w + 1 < plan.wave_start.size(); ++w)  // shared levels, then own keys
+    run_units(a, plan, plan.wave_start[w], plan.wave_start[w + 1], partials);
+  normalize_states(a, partials, tokens, out);
 }
 
 struct StepTensors {  // one step's attention metadata, checked once
@@ -999,7 +1102,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "paged_attention: q must be contiguous [T, H, D]");
   check_caches(q.scalar_type(), k_cache, v_cache);
   TORCH_CHECK(q.size(2) == k_cache.size(2), "paged_attention: q and cache head_dim disagree");
-  TORCH_CHECK(split_keys >= 1, "paged_attention: split_keys must be >= 1");
+  TORCH_CHECK(split_keys >= 0, "paged_attention: split_keys must be >= 1 (0: batch-invariant)");
   const int64_t tokens = q.size(0), heads = q.size(1);
   TORCH_CHECK(heads % k_cache.size(0) == 0, "paged_attention: heads % kv_heads != 0");
   const StepTensors step = step_tensors(tables, items, item_rows);
@@ -1036,6 +1139,28 @@ ALWAYS_INLINE float round_to(float value) {
   return load_float(&stored);
 }
 
+// one token: h += d (rounded; skipped when d is null); out = rms_norm(h) * weight. Not
+// inlined, so that the same machine code runs a row whether at::parallel_for runs the rows
+// serially or on its threads (batch invariance; see NO_CONTRACT below).
+template <typename T>
+__attribute__((noinline)) void add_rms_norm_row(T* h, const T* d, const T* weight, T* out,
+                                                int64_t size, float eps) {
+  if (d) {
+    for (int64_t i = 0; i < size; ++i) store_float(h + i, load_float(h + i) + load_float(d + i));
+  }
+  float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < size; ++i) {
+    const float x = load_float(h + i);
+    squares += x * x;
+  }
+  const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(size) + eps);
+  for (int64_t i = 0; i < size; ++i) {
+    const float x = round_to<T>(load_float(h + i) * inverse);
+    store_float(out + i, load_float(weight + i) * x);
+  }
+}
+
 // hidden += delta (rounded; skipped when delta is null); normed = rms_norm(hidden) * weight
 template <typename T>
 void add_rms_norm_rows(
@@ -1043,85 +1168,83 @@ void add_rms_norm_rows(
     float eps) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, size));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      T* h = hidden + t * size;
-      if (delta) {
-        const T* d = delta + t * size;
-        for (int64_t i = 0; i < size; ++i) store_float(h + i, load_float(h + i) + load_float(d + i));
-      }
-      float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < size; ++i) {
-        const float x = load_float(h + i);
-        squares += x * x;
-      }
-      const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(size) + eps);
-      T* out = normed + t * size;
-      for (int64_t i = 0; i < size; ++i) {
-        const float x = round_to<T>(load_float(h + i) * inverse);
-        store_float(out + i, load_float(weight + i) * x);
-      }
-    }
+    for (int64_t t = begin; t < end; ++t)
+      add_rms_norm_row<T>(hidden + t * size, delta ? delta + t * size : nullptr, weight,
+                          normed + t * size, size, eps);
   });
 }
 
-// qkv [T, (heads + 2 kv_heads) dim] -> q [T, heads, dim], k, v [T, kv_heads, dim]: per-head
-// RMSNorm of q and k when their weights are given (Qwen3), then HF's rotate_half RoPE.
+// Eager torch rounds each product before adding (no fused multiply-adds): these rows are
+// compiled with fp-contract off. The attribute is on the per-row functions themselves, not on
+// their callers: a lambda handed to at::parallel_for is a function of its own, compiled
+// without its enclosing function's attribute when it runs on the pool's threads (it is only
+// inlined when the work runs serially), which made a row's bits depend on the row count.
+#define NO_CONTRACT __attribute__((noinline, optimize("fp-contract=off")))
+
+// one token's q/k/v: per-head RMSNorm of q and k when their weights are given (Qwen3), then
+// HF's rotate_half RoPE; x: scratch of dim floats
 template <typename T>
-__attribute__((optimize("fp-contract=off"))) void qkv_rope_rows(
-    const T* qkv, const T* cos, const T* sin, const T* q_norm, const T* k_norm, float eps,
-    T* q, T* k, T* v, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim) {
-  const int64_t width = (heads + 2 * kv_heads) * dim, half = dim / 2;
+NO_CONTRACT void qkv_rope_row(const T* row, const T* c, const T* s, const T* q_norm,
+                              const T* k_norm, float eps, T* q, T* k, T* v, int64_t heads,
+                              int64_t kv_heads, int64_t dim, float* x) {
+  const int64_t half = dim / 2;
+  for (int64_t h = 0; h < heads + kv_heads; ++h) {
+    const bool is_q = h < heads;
+    const T* src = row + h * dim;
+    const T* norm = is_q ? q_norm : k_norm;
+    T* dst = is_q ? q + h * dim : k + (h - heads) * dim;
+    for (int64_t d = 0; d < dim; ++d) x[d] = load_float(src + d);
+    if (norm) {
+      float squares = 0.0f;
+      for (int64_t d = 0; d < dim; ++d) squares += x[d] * x[d];
+      const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(dim) + eps);
+      for (int64_t d = 0; d < dim; ++d)
+        x[d] = round_to<T>(load_float(norm + d) * round_to<T>(x[d] * inverse));
+    }
+    for (int64_t d = 0; d < dim; ++d) {
+      const float rotated = d < half ? -x[d + half] : x[d - half];
+      const float a = round_to<T>(x[d] * load_float(c + d));
+      const float b = round_to<T>(rotated * load_float(s + d));
+      store_float(dst + d, a + b);
+    }
+  }
+  std::memcpy(v, row + (heads + kv_heads) * dim, kv_heads * dim * sizeof(T));
+}
+
+// qkv [T, (heads + 2 kv_heads) dim] -> q [T, heads, dim], k, v [T, kv_heads, dim]
+template <typename T>
+void qkv_rope_rows(const T* qkv, const T* cos, const T* sin, const T* q_norm, const T* k_norm,
+                   float eps, T* q, T* k, T* v, int64_t rows, int64_t heads, int64_t kv_heads,
+                   int64_t dim) {
+  const int64_t width = (heads + 2 * kv_heads) * dim;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, width));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> x(dim);
-    for (int64_t t = begin; t < end; ++t) {
-      const T* row = qkv + t * width;
-      const T* c = cos + t * dim;
-      const T* s = sin + t * dim;
-      for (int64_t h = 0; h < heads + kv_heads; ++h) {
-        const bool is_q = h < heads;
-        const T* src = row + h * dim;
-        const T* norm = is_q ? q_norm : k_norm;
-        T* dst = is_q ? q + (t * heads + h) * dim : k + (t * kv_heads + h - heads) * dim;
-        for (int64_t d = 0; d < dim; ++d) x[d] = load_float(src + d);
-        if (norm) {
-          float squares = 0.0f;
-          for (int64_t d = 0; d < dim; ++d) squares += x[d] * x[d];
-          const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(dim) + eps);
-          for (int64_t d = 0; d < dim; ++d)
-            x[d] = round_to<T>(load_float(norm + d) * round_to<T>(x[d] * inverse));
-        }
-        for (int64_t d = 0; d < dim; ++d) {
-          const float rotated = d < half ? -x[d + half] : x[d - half];
-          const float a = round_to<T>(x[d] * load_float(c + d));
-          const float b = round_to<T>(rotated * load_float(s + d));
-          store_float(dst + d, a + b);
-        }
-      }
-      std::memcpy(v + t * kv_heads * dim, row + (heads + kv_heads) * dim,
-                  kv_heads * dim * sizeof(T));
-    }
+    for (int64_t t = begin; t < end; ++t)
+      qkv_rope_row<T>(qkv + t * width, cos + t * dim, sin + t * dim, q_norm, k_norm, eps,
+                      q + t * heads * dim, k + t * kv_heads * dim, v + t * kv_heads * dim,
+                      heads, kv_heads, dim, x.data());
   });
+}
+
+// one token's SiLU(gate) * up over size values
+template <typename T>
+NO_CONTRACT void silu_mul_row(const T* gate, const T* up, T* dst, int64_t size) {
+#pragma omp simd
+  for (int64_t i = 0; i < size; ++i) {
+    const float g = load_float(gate + i);
+    const float silu = round_to<T>(g / (1.0f + exp_any(-g)));
+    store_float(dst + i, silu * load_float(up + i));
+  }
 }
 
 // gate_up [T, 2 I] (gate, then up) -> SiLU(gate) * up [T, I]
 template <typename T>
-__attribute__((optimize("fp-contract=off"))) void silu_mul_rows(const T* gate_up, T* out,
-                                                                int64_t rows, int64_t size) {
+void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t size) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, size));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T* gate = gate_up + t * 2 * size;
-      const T* up = gate + size;
-      T* dst = out + t * size;
-#pragma omp simd
-      for (int64_t i = 0; i < size; ++i) {
-        const float g = load_float(gate + i);
-        const float silu = round_to<T>(g / (1.0f + exp_any(-g)));
-        store_float(dst + i, silu * load_float(up + i));
-      }
-    }
+    for (int64_t t = begin; t < end; ++t)
+      silu_mul_row<T>(gate_up + t * 2 * size, gate_up + t * 2 * size + size, out + t * size, size);
   });
 }
 

@@ -169,6 +169,15 @@ class EngineConfig:
         check=one_of("auto", "on", "off"),
         choices=("auto", "on", "off"),
     )
+    deterministic: bool = option(
+        False,
+        doc="native on the CPU: batch-invariant kernels, so a row's greedy tokens do not depend "
+        "on its neighbours, partition, process or retry (the packed GEMM at every row count, "
+        "attention carried block by block through block-aligned shared segments); off: the "
+        "fastest GEMM per shape, still the same choice in every process of a machine kind",
+        check=boolean,
+        cli="flag",
+    )
     trust_remote_code: bool = option(
         False, doc="allow code shipped with the model to run", check=boolean, cli="flag"
     )

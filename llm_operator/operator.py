@@ -249,6 +249,8 @@ class LLMOperator:
             min_shared_tokens=self.config.min_shared_tokens,
             decode_first=self.config.decode_first,
             share_prefixes=self.config.share_prefixes,
+            # batch-invariant attention needs segments on KV block boundaries
+            segment_align=self.config.kv_block_size if self.config.deterministic else 1,
         )
         return plan, valid
 

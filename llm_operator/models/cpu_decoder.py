@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from llm_operator.kernels import AttentionStep, cpu_extension
-from llm_operator.models.gemm import DEFAULT_GEMM, GemmChoice
+from llm_operator.models.gemm import GemmChoice
 from llm_operator.models.llama import LlamaModel
 
 DECODER_ENV = "LLM_OPERATOR_COMPILED_DECODER"
@@ -46,8 +46,9 @@ class CompiledDecoder:
     ``model.pack_weights()``); ``__call__`` runs a step, ``runs(rows, step)`` says whether
     it may (see the module docstring)."""
 
-    def __init__(self, model: LlamaModel, gemm: GemmChoice = DEFAULT_GEMM) -> None:
-        self.model, self.gemm = model, gemm
+    def __init__(self, model: LlamaModel, gemm: GemmChoice | None = None) -> None:
+        """gemm: whose choices decide where it runs (None: the model's, ``model.gemm``)."""
+        self.model, self._gemm = model, gemm
         self.config = config = model.config
         empty = torch.empty(0, dtype=model.embed_tokens.weight.dtype)
         self.layers: list[Tensor] = []
@@ -75,20 +76,26 @@ class CompiledDecoder:
             and all(layer.fuse_activation for layer in model.layers)
             and all(packed is not None for _, packed, _ in self.projections)
         )
-        self._by_rows: dict[int, bool] = {}  # rows.bit_length() -> all projections packed
+        # (gemm, rows.bit_length()) -> all projections packed
+        self._by_rows: dict[tuple[int, int], bool] = {}
         # the activations of a step, kept between steps (decoder_forward grows it)
         self.workspace = torch.empty(0, dtype=torch.uint8)
+
+    @property
+    def gemm(self) -> GemmChoice:
+        return self.model.gemm if self._gemm is None else self._gemm
 
     def runs(self, rows: int, step: AttentionStep) -> bool:
         """Whether this step (``rows`` tokens, attention ``step``) may run compiled."""
         if not self.available or step.implementation != "cpp":
             return False
-        bucket = rows.bit_length()
+        gemm = self.gemm
+        bucket = (id(gemm), rows.bit_length())
         known = self._by_rows.get(bucket)
         if known is not None:
             return known
         answers = [
-            self.gemm.prefers_packed(rows, weight, packed, bias)
+            gemm.prefers_packed(rows, weight, packed, bias)
             for weight, packed, bias in self.projections
         ]
         if False in answers:

@@ -17,6 +17,13 @@ processes of that kind read it instead of timing again, so they all round alike.
 All compute the same products; their rounding differs at the 1e-6 relative level (fp32).
 ``LLM_OPERATOR_GEMM=aten|onednn|packed`` forces one (``auto``, the default, measures;
 ``packed`` falls back to aten for a weight that has no packed copy).
+
+Batch invariance (``InvariantGemm``, the engine's ``deterministic`` mode): aten's and
+oneDNN's fp32 GEMMs round a row differently at one row (a matrix-vector product) than beside
+others, and the choice itself depends on the row count. The packed kernel reduces each
+output over k in the same order for every row whatever the row count (rows only share the
+weight loads), so a row gets the same bits alone or among 1,000: ``InvariantGemm`` takes it
+at every row count.
 """
 
 from __future__ import annotations
@@ -247,8 +254,39 @@ class GemmChoice:
         return min(best, key=best.__getitem__)
 
 
+class InvariantGemm(GemmChoice):
+    """Batch-invariant: the packed kernel at every row count wherever the weight has a packed
+    copy of the input's dtype and the compiled kernels are loaded (else aten's, which is
+    batch-invariant only where it runs alone: not on the CPU). Nothing is timed;
+    ``LLM_OPERATOR_GEMM`` does not apply."""
+
+    def __init__(self) -> None:
+        super().__init__(onednn=False, store=None)
+
+    def __call__(
+        self, x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: Tensor | None = None
+    ) -> Tensor:
+        if x.device.type == "cpu" and x.dim() == 2 and self.packs(weight, packed):
+            return _packed_kernel()(x, packed, bias, weight.shape[0])
+        return _aten(x, weight, bias)
+
+    @staticmethod
+    def packs(weight: Tensor, packed: Tensor | None) -> bool:
+        """Whether this weight's products run on the packed kernel."""
+        return packed is not None and packed.dtype == weight.dtype and _packed_kernel() is not None
+
+    def prefers_packed(
+        self, rows: int, weight: Tensor, packed: Tensor | None, bias: bool
+    ) -> bool | None:
+        return self.packs(weight, packed)
+
+    def tune(self, weights: list[tuple[Tensor, Tensor | None]], max_rows: int) -> None:
+        """Nothing to measure."""
+
+
 # One per process: the measurements describe this machine, not a model or a job.
 DEFAULT_GEMM = GemmChoice()
+INVARIANT_GEMM = InvariantGemm()
 
 
 def linear(

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from llm_operator.models import fused
 from llm_operator.models.fused import FusedOps
-from llm_operator.models.gemm import linear, pack_weight
+from llm_operator.models.gemm import DEFAULT_GEMM, GemmChoice, pack_weight
 from llm_operator.models.rope import RotaryEmbedding, rope_inverse_frequencies, rope_type
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -139,13 +139,15 @@ def _sliding_window(hf_config: Any, model_type: str) -> int | None:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` through ``gemm.linear`` (the CPU GEMM measured fastest per shape);
-    ``packed``: the weight packed for the compiled CPU kernel (``LlamaModel.pack_weights``)."""
+    """``nn.Linear`` through ``gemm`` (default: the CPU GEMM measured fastest per shape;
+    ``LlamaModel.use_gemm`` sets another); ``packed``: the weight packed for the compiled
+    CPU kernel (``LlamaModel.pack_weights``)."""
 
     packed: Tensor | None = None
+    gemm: GemmChoice = DEFAULT_GEMM
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return self.gemm(x, self.weight, self.bias, self.packed)
 
 
 class RMSNorm(nn.Module):
@@ -317,7 +319,7 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size] float32 (matmul in the model dtype)."""
-        return linear(hidden, self.head_weight, None, self.head_packed).float()
+        return self.gemm(hidden, self.head_weight, None, self.head_packed).float()
 
     @property
     def head_weight(self) -> Tensor:
@@ -325,6 +327,14 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     head_packed: Tensor | None = None
+    gemm: GemmChoice = DEFAULT_GEMM  # the projections' and the head's (``use_gemm``)
+
+    def use_gemm(self, gemm: GemmChoice) -> None:
+        """Run every projection and the head through ``gemm`` (e.g. ``gemm.INVARIANT_GEMM``)."""
+        self.gemm = gemm
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.gemm = gemm
 
     def pack_weights(self) -> list[tuple[Tensor, Tensor | None]]:
         """Pack every projection and the LM head for the compiled CPU GEMM

@@ -3,8 +3,9 @@
 The inverse frequencies and the attention scaling come from transformers itself
 (`ROPE_INIT_FUNCTIONS`; the "default" type is the one-line formula every HF
 Llama-family model uses), so scaled variants follow HF without re-deriving them.
-cos/sin are computed per forward call from the token positions, in fp32, with the
-same arithmetic as HF's rotary embedding, then cast to the activation dtype.
+cos/sin are computed from the token positions, in fp32, with the same arithmetic as HF's
+rotary embedding, then cast to the activation dtype (on the CPU read from tables built once,
+so that a position's values never depend on the step it is in).
 
 Supported rope types: "default", "linear", "llama3", "yarn" (position independent),
 and "dynamic", which equals the unscaled rope for positions below
@@ -77,20 +78,52 @@ def rope_inverse_frequencies(hf_config: Any, head_dim: int) -> tuple[Tensor, flo
     return inv_freq.float(), float(attention_scaling)
 
 
+# cos/sin of CPU steps come from tables built in blocks of this many elements: a block is
+# one unary op small enough to run on one thread and a multiple of 32 elements, so ATen takes
+# its vectorized path for every element (it computes a loop's last few elements with the
+# scalar function, which rounds differently): a position's values never depend on the step.
+TABLE_BLOCK_ELEMENTS = 1 << 14
+
+
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for given positions; `inv_freq` is a non-persistent fp32 buffer."""
+    """cos/sin tables for given positions; `inv_freq` is a non-persistent fp32 buffer.
+
+    On the CPU they are read from fp32 tables grown block by block (batch-invariant: the
+    same bits for a position whichever step asks); elsewhere computed per call."""
 
     def __init__(self, inv_freq: Tensor, attention_scaling: float) -> None:
         super().__init__()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.attention_scaling = attention_scaling
+        self._tables: tuple[Tensor, Tensor] | None = None  # CPU (cos, sin) [positions, dim]
+
+    def _angles(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """fp32 (cos, sin) [T, head_dim] of positions [T], as HF computes them."""
+        frequencies = positions[:, None].float() * self.inv_freq[None, :]  # [T, head_dim / 2]
+        angles = torch.cat((frequencies, frequencies), dim=-1)  # [T, head_dim]
+        return angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
+
+    def _table(self, count: int) -> tuple[Tensor, Tensor]:
+        """The CPU tables, grown to at least ``count`` positions."""
+        tables = self._tables
+        have = 0 if tables is None else tables[0].shape[0]
+        if have < count:
+            block = max(1, TABLE_BLOCK_ELEMENTS // (2 * self.inv_freq.shape[0]))
+            parts = [
+                self._angles(torch.arange(start, start + block, device=self.inv_freq.device))
+                for start in range(have, count, block)
+            ]
+            cos = torch.cat(([tables[0]] if tables else []) + [c for c, _ in parts])
+            sin = torch.cat(([tables[1]] if tables else []) + [s for _, s in parts])
+            self._tables = tables = (cos, sin)
+        return tables
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """positions [T] int64 -> (cos, sin), each [T, head_dim] in `dtype` (computed in fp32)."""
-        frequencies = positions[:, None].float() * self.inv_freq[None, :]  # [T, head_dim / 2]
-        angles = torch.cat((frequencies, frequencies), dim=-1)  # [T, head_dim]
-        cos = angles.cos() * self.attention_scaling
-        sin = angles.sin() * self.attention_scaling
+        if positions.device.type == "cpu" and positions.numel():
+            cos, sin = self._table(int(positions.max()) + 1)
+            return cos[positions].to(dtype), sin[positions].to(dtype)
+        cos, sin = self._angles(positions)
         return cos.to(dtype), sin.to(dtype)
 
 

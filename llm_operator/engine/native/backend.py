@@ -34,7 +34,7 @@ from llm_operator.engine.native.step_builder import HostStep, StepAttention, Ste
 from llm_operator.engine.run import Run
 from llm_operator.models import fused
 from llm_operator.models.cpu_decoder import TIMED_KINDS, CompiledDecoder
-from llm_operator.models.gemm import DEFAULT_GEMM
+from llm_operator.models.gemm import DEFAULT_GEMM, INVARIANT_GEMM
 from llm_operator.models.llama import Linear, LlamaModel
 from llm_operator.planner import Plan
 
@@ -96,14 +96,20 @@ class NativeBackend:
         self._pool: tuple[str, int, list, list] | None = None
         self._graphs: DecodeGraphs | None = None  # of the pool's caches (decode_graphs)
         self.decoder: CompiledDecoder | None = None
+        # deterministic: batch-invariant GEMMs and attention (the CPU's compiled kernels)
+        self.invariant = engine_config.deterministic
+        self.gemm = INVARIANT_GEMM if self.invariant else DEFAULT_GEMM
         if self.device.type == "cpu":  # pack the weights, time each linear shape's GEMMs once
             max_batched_tokens = engine_config.prefill_batch_tokens
-            DEFAULT_GEMM.tune(model.pack_weights(), max_rows=max_batched_tokens)
+            self.gemm.tune(model.pack_weights(), max_rows=max_batched_tokens)
             # the head runs on the sampled rows only: at most one per running request
             max_sampled = min(max_batched_tokens, engine_config.max_batch_size)
-            DEFAULT_GEMM.tune([(model.head_weight, model.head_packed)], max_rows=max_sampled)
+            self.gemm.tune([(model.head_weight, model.head_packed)], max_rows=max_sampled)
+            model.use_gemm(self.gemm)
             self.decoder = CompiledDecoder(model)
             warm_eager_path(model)
+        if self.invariant:
+            warn_unless_invariant(self)
         # LLM_OPERATOR_PROFILE_OPS: each iteration's seconds by kind of work (op_profile.py)
         self.op_profile: OpProfile | None = None
         if profiling_requested():
@@ -206,6 +212,31 @@ class NativeBackend:
         return steps
 
 
+def warn_unless_invariant(backend: NativeBackend) -> None:
+    """deterministic=True holds where the compiled CPU kernels run the attention and every
+    projection; elsewhere say so once (the run goes on, batch-dependent)."""
+    import warnings
+
+    implementation = backend._implementation()
+    model = backend.model
+    packed = all(
+        INVARIANT_GEMM.packs(m.weight, m.packed) for m in model.modules() if isinstance(m, Linear)
+    ) and INVARIANT_GEMM.packs(model.head_weight, model.head_packed)
+    if implementation == "cpp" and packed:
+        return
+    where = (
+        f"{backend.device} runs the {implementation!r} attention kernels"
+        if implementation != "cpp"
+        else "some projections have no packed copy for the compiled CPU GEMM"
+    )
+    warnings.warn(
+        f"llm_operator: deterministic=True makes outputs batch-invariant with the compiled CPU "
+        f"kernels only, but {where}: a row's tokens may still depend on its batch",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 @torch.inference_mode()
 def warm_eager_path(model: LlamaModel) -> None:
     """Run the eager forward once, on one row and on enough rows for the multi-threaded
@@ -246,7 +277,10 @@ class _NativeSteps:
             implementation=self.implementation,
             segment_blocks=self.scheduler.segment_blocks,
             segment_length=self.scheduler.segment_length,
+            invariant=backend.invariant and self.implementation == "cpp",
         )
+        if backend.device.type == "cpu":
+            backend.model.use_gemm(backend.gemm)  # another backend may share the model
         self.upload_seconds = 0.0  # of the last step's eager device tensors (``logits``)
         self.graphs = None  # DecodeGraphs for decode-only steps (backend.graphs_wanted)
         if backend.graphs_wanted(self.implementation):

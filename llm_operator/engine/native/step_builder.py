@@ -129,7 +129,10 @@ class StepBuilder:
         implementation: str,
         segment_blocks: Callable[[int], Sequence[int]],
         segment_length: Callable[[int], int],
+        invariant: bool = False,
     ) -> None:
+        """invariant: the compiled CPU attention in its batch-invariant mode (split_keys 0)."""
+        self.invariant = invariant
         self.block_size = block_size
         self.pool_blocks = pool_blocks  # the cache's blocks (>= the run's: a pool is reused)
         self.device = device
@@ -258,6 +261,8 @@ class StepBuilder:
         step = kernels.AttentionStep(
             self.implementation, own_batch, prefix_batches, device_tensor(host.slots, device)
         )
+        if self.invariant:
+            step.split_keys = 0
         return StepBatch(
             input_ids=device_tensor(host.input_ids, device),
             positions=device_tensor(host.positions, device),

@@ -1,0 +1,265 @@
+"""Batch invariance (issue 30): a row's attention, linears and whole forward give the same
+bits whatever else shares its step, however its prompt is cut into shared segments and
+prefill chunks, and wherever the row sits.
+
+The compiled CPU attention in its batch-invariant mode (``split_keys=0``) carries each
+query's softmax state through its shared segments and its own keys one block at a time;
+with segments starting on block boundaries (the planner's ``align``), the arithmetic of a
+query is a function of its keys alone. These tests put one sequence's keys behind many
+layouts and compare the bits; the default mode (key splits merged by log-sum-exp) is shown
+to differ on the same layouts, so the comparison can fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llm_operator.kernels import cpu_extension, cpu_ops, metadata
+
+DTYPES = [torch.float32, torch.bfloat16]
+HEADS, KV_HEADS, DIM = 9, 3, 64
+
+
+@pytest.fixture(scope="module")
+def cpu_module():
+    module = cpu_extension.load()
+    assert module is not None, f"the CPU kernels did not load: {cpu_extension.failure()}"
+    return module
+
+
+class Layout:
+    """Requests over one paged cache (reference layout, unwritten slots NaN).
+
+    ``add(chain, own_keys, own_values, queries)``: a request reading the shared segments
+    ``chain`` (ids from ``segment``) then its own keys; its query rows ``queries`` [n,
+    heads, dim] are the last n own positions. ``run`` returns the attention of every row.
+    """
+
+    def __init__(self, dtype, block_size, generator, num_blocks=768):
+        self.dtype, self.block_size = dtype, block_size
+        self.free = torch.randperm(num_blocks, generator=generator).tolist()
+        shape = (num_blocks, block_size, KV_HEADS, DIM)
+        self.k = torch.full(shape, float("nan"), dtype=dtype)
+        self.v = self.k.clone()
+        self.segments: list[tuple[list[int], int, int]] = []  # (table, length, level)
+        self.requests: list[tuple[list[int], list[int], int, torch.Tensor]] = []
+
+    def _place(self, keys, values) -> list[int]:
+        blocks = [self.free.pop() for _ in range(-(-len(keys) // self.block_size))]
+        for i in range(len(keys)):
+            slot = (blocks[i // self.block_size], i % self.block_size)
+            self.k[slot], self.v[slot] = keys[i], values[i]
+        return blocks
+
+    def segment(self, keys, values, level: int) -> int:
+        self.segments.append((self._place(keys, values), len(keys), level))
+        return len(self.segments) - 1
+
+    def add(self, chain, keys, values, queries) -> None:
+        self.requests.append((list(chain), self._place(keys, values), len(keys), queries))
+
+    def run(self, module, split_keys: int) -> torch.Tensor:
+        starts = [0]
+        for *_, queries in self.requests:
+            starts.append(starts[-1] + len(queries))
+        shape = {"block_size": self.block_size, "num_blocks": self.k.shape[0]}
+        own = metadata.own_batch(
+            starts, [r[1] for r in self.requests], [r[2] for r in self.requests], **shape
+        )
+        prefixes = []
+        for level in sorted({s[2] for s in self.segments}):
+            ids = [i for i, s in enumerate(self.segments) if s[2] == level]
+            readers = [
+                [row for r, request in enumerate(self.requests) if i in request[0]
+                 for row in range(starts[r], starts[r + 1])]
+                for i in ids
+            ]  # fmt: skip
+            prefixes.append(
+                metadata.prefix_batch(
+                    readers,
+                    [self.segments[i][0] for i in ids],
+                    [self.segments[i][1] for i in ids],
+                    num_rows=starts[-1],
+                    **shape,
+                )
+            )
+        q = torch.cat([r[3] for r in self.requests]).to(self.dtype)
+        k_cpu, v_cpu = cpu_ops.to_cpu_layout(self.k, self.v)
+        work = cpu_ops.attention_items(own, prefixes)
+        return cpu_ops.attention(module, q, k_cpu, v_cpu, work, DIM**-0.5, split_keys)
+
+
+def _sequence(generator, length, dtype):
+    def draw():
+        return torch.randn(length, KV_HEADS, DIM, generator=generator).to(dtype)
+
+    return draw(), draw(), torch.randn(length, HEADS, DIM, generator=generator).to(dtype)
+
+
+def _layouts(dtype, block_size, seed):
+    """(name, layout, row of the target's query at position 149) for one target sequence of
+    150 tokens behind many layouts: alone, beside others, under one or two shared levels
+    cut on block boundaries, as one row of a prefill chunk."""
+    length = 150
+    target = _sequence(torch.Generator().manual_seed(seed), length, dtype)
+    keys, values, queries = target
+    noise = torch.Generator().manual_seed(seed + 1)
+    b = block_size
+
+    def other(n_keys: int, n_rows: int):
+        k, v, q = _sequence(noise, n_keys, dtype)
+        return k, v, q[-n_rows:]
+
+    cases = []
+    alone = Layout(dtype, b, torch.Generator().manual_seed(1))
+    alone.add([], keys, values, queries[-1:])
+    cases.append(("alone", alone, 0))
+
+    beside = Layout(dtype, b, torch.Generator().manual_seed(2))
+    for n_keys, n_rows in [(40, 1), (300, 1), (7, 7)]:
+        beside.add([], *other(n_keys, n_rows))
+    beside.add([], keys, values, queries[-1:])
+    cases.append(("beside 3 others, last", beside, 9))
+
+    cut = 3 * b
+    shared = Layout(dtype, b, torch.Generator().manual_seed(3))
+    segment = shared.segment(keys[:cut], values[:cut], level=1)
+    shared.add([segment], *other(20, 1))
+    shared.add([segment], keys[cut:], values[cut:], queries[-1:])
+    shared.add([], *other(90, 3))
+    cases.append(("one shared level", shared, 1))
+
+    first, second = b, 4 * b
+    nested = Layout(dtype, b, torch.Generator().manual_seed(4))
+    outer = nested.segment(keys[:first], values[:first], level=1)
+    inner = nested.segment(keys[first:second], values[first:second], level=2)
+    nested.add([outer], *other(30, 2))
+    nested.add([outer, inner], keys[second:], values[second:], queries[-1:])
+    nested.add([outer, inner], *other(11, 11))
+    cases.append(("two shared levels", nested, 2))
+
+    chunk = Layout(dtype, b, torch.Generator().manual_seed(5))
+    chunk.add([], *other(64, 1))
+    chunk.add([], keys, values, queries[-37:])
+    cases.append(("last row of a 37-row prefill chunk", chunk, 1 + 36))
+
+    big = Layout(dtype, b, torch.Generator().manual_seed(6))
+    for _ in range(63):
+        big.add([], *other(130, 1))
+    big.add([], keys, values, queries[-1:])
+    cases.append(("beside 63 decode rows", big, 63))
+    return cases
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_invariant_attention_gives_a_row_the_same_bits_in_every_layout(
+    cpu_module, dtype, block_size
+):
+    cases = _layouts(dtype, block_size, seed=block_size)
+    outputs = {name: layout.run(cpu_module, 0)[row] for name, layout, row in cases}
+    expected = outputs["alone"]
+    for name, out in outputs.items():
+        assert torch.equal(out, expected), f"{name}: differs from the row alone"
+    # and it is the attention: close to the default mode's
+    default = cases[0][1].run(cpu_module, cpu_ops.SPLIT_KEYS)[0]
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (default.float() - expected.float()).abs().max() <= tolerance
+
+
+def test_default_attention_depends_on_the_layout(cpu_module):
+    """The default mode merges split keys and segments by log-sum-exp: the same row rounds
+    differently across these layouts (what the invariant mode removes)."""
+    cases = _layouts(torch.float32, 16, seed=16)
+    outputs = [layout.run(cpu_module, 64)[row] for _, layout, row in cases]
+    assert any(not torch.equal(out, outputs[0]) for out in outputs[1:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_packed_linear_gives_a_row_the_same_bits_at_every_row_count(cpu_module, dtype):
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(200, 96, generator=generator) * 0.1).to(dtype)
+    packed = cpu_ops.pack_linear_weight(cpu_module, weight)
+    x = torch.randn(64, 96, generator=generator).to(dtype)
+    bias = torch.randn(200, generator=generator).to(dtype)
+    alone = [cpu_ops.packed_linear(cpu_module, x[i : i + 1], packed, bias, 200)[0] for i in range(64)]
+    for rows in (2, 7, 9, 64):
+        out = cpu_ops.packed_linear(cpu_module, x[:rows], packed, bias, 200)
+        for i in range(rows):
+            assert torch.equal(out[i], alone[i]), f"row {i} of {rows}"
+
+
+# ---------------------------------------------------------------- the engine
+
+
+from helpers import REVIEWS  # noqa: E402
+
+from llm_operator import LLMOperator, SamplingParams  # noqa: E402
+
+TASKS = (
+    "You label customer reviews. Answer with one word: positive, negative or neutral. "
+    "Examples: 'Great value' is positive; 'Arrived crushed' is negative.",
+    "Extract the product name and the main complaint from the review below, then rate "
+    "the urgency from 1 to 5.",
+    "Summarize the review in one sentence.",
+)
+
+
+def _prompts(count: int) -> list[str]:
+    """``count`` rows: three tasks (shared prefixes of different lengths) x the reviews."""
+    return [
+        f"{TASKS[i % len(TASKS)]}\nReview {i // len(TASKS)}: {REVIEWS[i % len(REVIEWS)]}"
+        for i in range(count)
+    ]
+
+
+def _answers(model_dir, prompts, dtype, deterministic, **options):
+    op = LLMOperator(
+        model_dir, backend="native", dtype=dtype, deterministic=deterministic, **options
+    )
+    sampling = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, ignore_eos=True)
+    results = op.generate(prompts, sampling)
+    assert all(r.error is None for r in results), [r.error for r in results]
+    return [(tuple(r.token_ids), r.logprob) for r in results]
+
+
+# (name, input rows, engine options): one job's rows in other batches and chunkings
+BATCHINGS = (
+    ("alone", [[0], [4], [31], [63]], {}),
+    ("in twos", [[0, 40], [4, 63], [31, 2]], {}),
+    ("in sevens", [[0, 1, 2, 3, 4, 5, 6], [63, 31, 7, 8, 9, 10, 11]], {}),
+    ("64-token iterations", [list(range(64))], {"prefill_batch_tokens": 64}),
+    ("4 rows at a time", [list(range(64))], {"max_batch_size": 4}),
+)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("decoder", ["compiled", "eager"])
+def test_deterministic_rows_get_the_same_bits_in_every_batch(
+    tiny_llama_dir, dtype, decoder, monkeypatch
+):
+    """A row's greedy tokens and their log-probability (a function of every logit on the
+    way) are bit-identical whether it runs in the 64-row job, alone, beside 1 or 6 others,
+    in 64-token iterations or 4 rows at a time, on the compiled decoder or the eager path."""
+    if decoder == "eager":
+        monkeypatch.setenv("LLM_OPERATOR_COMPILED_DECODER", "0")
+    prompts = _prompts(64)
+    whole = _answers(tiny_llama_dir, prompts, dtype, True)
+    for name, batches, options in BATCHINGS:
+        for rows in batches:
+            answers = _answers(tiny_llama_dir, [prompts[r] for r in rows], dtype, True, **options)
+            for row, answer in zip(rows, answers):
+                assert answer == whole[row], f"{name}: row {row} differs"
+
+
+def test_default_mode_rows_depend_on_their_batch(tiny_llama_dir):
+    """Without deterministic, the same comparison finds a row whose log-probability
+    changed with its batch (shared segments merged by log-sum-exp): the test above can
+    fail."""
+    prompts = _prompts(64)
+    whole = _answers(tiny_llama_dir, prompts, "float32", False)
+    alone = [
+        _answers(tiny_llama_dir, [prompts[r]], "float32", False)[0] for r in (0, 4, 31, 63)
+    ]
+    assert any(a != whole[r] for a, r in zip(alone, (0, 4, 31, 63)))
