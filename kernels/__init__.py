@@ -307,7 +307,11 @@ class AttentionStep:
         own: OwnBatch,
         prefixes: Sequence[PrefixBatch],
         slot_mapping: Tensor,
+        invariant: bool = False,
     ) -> None:
+        """invariant: the compiled CPU attention's batch-invariant mode (a row's bits do not
+        depend on the step; segments must end on block boundaries). Other implementations
+        ignore it."""
         if implementation not in _IMPLEMENTATIONS:
             raise ValueError(
                 f"implementation must be one of {_IMPLEMENTATIONS}, got {implementation!r}"
@@ -323,7 +327,11 @@ class AttentionStep:
                     "the compiled CPU kernels are not loaded (kernels.ensure_checked loads "
                     f"them): {cpu_extension.failure() or 'never loaded'}"
                 )
-            self.work = cpu_ops.attention_items(own, self.prefixes)
+            step_keys = None
+            if invariant:
+                self.split_keys = cpu_ops.invariant_split_keys(own.block_size, self.prefixes)
+                step_keys = cpu_ops.INVARIANT_STEP_KEYS if self.split_keys < 0 else None
+            self.work = cpu_ops.attention_items(own, self.prefixes, step_keys)
         elif implementation == "triton":
             from llm_operator.kernels import triton_attention
 

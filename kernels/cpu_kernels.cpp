@@ -634,10 +634,11 @@ struct UnitScratch {  // one thread's buffers, reused unit after unit
 };
 
 // carried: batch-invariant mode (see AttentionPlan::invariant): the unit starts from its
-// queries' running state in out.state_* and leaves it there, one block of keys a step.
+// queries' running state in out.state_* and leaves it there. sub_tiles: runs of keys per
+// softmax step (SUB_TILES; 1 where steps must be the blocks themselves).
 template <typename T>
 void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, UnitScratch& buffers,
-              bool carried) {
+              bool carried, int sub_tiles) {
   const int32_t* item = a.items + u.item * ITEM_FIELDS;
   const int64_t group = a.heads / a.kv_heads, dim = a.dim, block_size = a.block_size;
   const int64_t key_len = item[KEY_LEN], row_count = item[ROW_COUNT];
@@ -703,9 +704,6 @@ void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, UnitScrat
                   LANES * sizeof(float));
     }
   }
-  // A softmax step takes up to SUB_TILES runs of keys; carried: one, so that the steps are
-  // the blocks (a function of the keys' positions when segments start on block boundaries)
-  const int sub_tiles = carried ? 1 : SUB_TILES;
   const int64_t visible_end = std::min<int64_t>(u.k1, static_cast<int64_t>(limit[queries - 1]));
   float scores[TILE_QUERIES][STEP_KEYS];  // row stride STEP_KEYS
   float weights[TILE_QUERIES][STEP_KEYS];
@@ -904,16 +902,19 @@ void merge_partials(const AttentionArgs<T>& a, const Partials& partials,
 // The units of one step's attention and where their partial results go, the same for
 // every layer: built once per step (or per paged_attention call).
 //
-// Batch-invariant mode (split_keys 0): a row's result must not depend on which rows share
+// Batch-invariant mode (split_keys <= 0): a row's result must not depend on which rows share
 // the step, how its prompt was cut into shared segments or prefill chunks, or where it sits.
 // So no key is split off into a partial merged later: units run in waves, each (token,
 // head) carrying one running softmax state through its shared segments level by level and
-// then its own keys, one block a step; the state is normalized at the end. With segments
-// starting on block boundaries (the planner's align), a query reads the same keys in the
-// same blocks in the same order whatever else runs.
+// then its own keys; the state is normalized at the end. A query then reads the same keys
+// in the same softmax steps whatever else runs, provided the steps are a function of the
+// keys' positions: split_keys 0, one block a step (segments start on block boundaries: the
+// planner's align); split_keys < 0, SUB_TILES runs a step, where the caller starts every
+// item's keys at a multiple of such a step (cpu_ops.attention_items' step_keys).
 struct AttentionPlan {
   std::vector<Unit> units;
   bool invariant = false;
+  int sub_tiles = SUB_TILES;  // runs of keys per softmax step
   std::vector<int64_t> wave_start;  // invariant: units of wave w at [wave_start[w], [w + 1])
   int64_t entries = 0;
   std::vector<int64_t> part_start;  // [tokens * kv_heads + 1]: CSR over (token, kv head)
@@ -931,6 +932,7 @@ AttentionPlan plan_attention(const int32_t* items, int64_t num_items, const int3
   // spread over the threads; a longer item (a prefill chunk) is cut into row tiles instead.
   const int64_t tile_rows = std::max<int64_t>(1, 256 / group);
   plan.invariant = split_keys <= 0;
+  plan.sub_tiles = split_keys == 0 ? 1 : SUB_TILES;
   // invariant: an item's wave is its table list less one (shared levels 1.., in order);
   // own items (list 0) come last. Otherwise every item is in wave 0.
   int64_t waves = 1;
@@ -997,7 +999,7 @@ void run_units(const AttentionArgs<T>& a, const AttentionPlan& plan, int64_t beg
     UnitScratch scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = begin; u < end; ++u)
-      run_unit(a, plan.units[u], partials, scratch, plan.invariant);
+      run_unit(a, plan.units[u], partials, scratch, plan.invariant, plan.sub_tiles);
   }
 }
 
@@ -1102,7 +1104,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "paged_attention: q must be contiguous [T, H, D]");
   check_caches(q.scalar_type(), k_cache, v_cache);
   TORCH_CHECK(q.size(2) == k_cache.size(2), "paged_attention: q and cache head_dim disagree");
-  TORCH_CHECK(split_keys >= 0, "paged_attention: split_keys must be >= 1 (0: batch-invariant)");
+  // split_keys 0 or negative: batch-invariant (see AttentionPlan)
   const int64_t tokens = q.size(0), heads = q.size(1);
   TORCH_CHECK(heads % k_cache.size(0) == 0, "paged_attention: heads % kv_heads != 0");
   const StepTensors step = step_tensors(tables, items, item_rows);

@@ -119,11 +119,110 @@ class AttentionItems(NamedTuple):
     tables: list[Tensor]
 
 
-def attention_items(own: OwnBatch, prefixes: Sequence[PrefixBatch]) -> AttentionItems:
+# Keys per softmax step of the batch-invariant attention with aligned items (SUB_TILES runs of
+# 16 keys in cpu_kernels.cpp; blocks of fewer keys make shorter steps that divide it).
+INVARIANT_STEP_KEYS = 64
+
+
+def invariant_split_keys(block_size: int, prefixes: Sequence[PrefixBatch]) -> int:
+    """``attention``'s split_keys for the batch-invariant mode of this step: -1 (softmax
+    steps of INVARIANT_STEP_KEYS keys, items aligned by ``attention_items(step_keys=...)``)
+    where the blocks tile such steps and every segment ends on a block boundary, else 0 (one
+    block a step: slower, and it needs segments on block boundaries too)."""
+    tiles = INVARIANT_STEP_KEYS % block_size == 0 or block_size % INVARIANT_STEP_KEYS == 0
+    aligned = all(length % block_size == 0 for p in prefixes for length in p.host_lengths)
+    return -1 if tiles and aligned else 0
+
+
+def _aligned(
+    own: OwnBatch, prefixes: Sequence[PrefixBatch], step_keys: int
+) -> tuple[OwnBatch, list[PrefixBatch]]:
+    """The step's batches with every item's keys starting at a multiple of ``step_keys``
+    (segments end on block boundaries): the keys of a segment past its last multiple are
+    left to the next item of its rows (a deeper segment, or the row's own keys), whose table
+    gets those blocks in front. A row's keys are then cut into softmax steps at the same
+    positions whatever its segments, so the batch-invariant attention can take whole steps."""
+    import dataclasses
+
+    import numpy as np
+
+    if own.num_rows == 0:
+        return own, list(prefixes)
+    size = own.block_size
+    most = max(1, step_keys // size)  # blocks a row can carry (fewer than a step's keys)
+    carried = np.zeros(own.num_rows, dtype=np.int64)  # keys carried, per q row
+    carry = np.zeros((own.num_rows, most), dtype=np.int32)
+    levels = []
+    for prefix in prefixes:
+        rows = np.asarray(prefix.host_rows, dtype=np.int64)
+        starts, lengths = prefix.host_row_start, prefix.host_lengths
+        tables = prefix.block_tables.cpu().numpy()
+        new_tables, new_lengths = [], []
+        for s, length in enumerate(lengths):
+            readers = rows[starts[s] : starts[s + 1]]
+            if length % size:
+                raise ValueError(
+                    f"segment {s} has {length} tokens, not a multiple of the block size {size}"
+                )
+            before = int(carried[readers[0]]) if len(readers) else 0
+            blocks = np.concatenate(
+                [carry[readers[0], : before // size] if len(readers) else carry[0, :0],
+                 tables[s, : length // size]]
+            )  # fmt: skip
+            total = before + length
+            done = total - total % step_keys
+            new_tables.append(blocks)
+            new_lengths.append(done)
+            left = (total - done) // size
+            carry[readers, :left] = blocks[done // size : total // size]
+            carried[readers] = total - done
+        width = max([len(t) for t in new_tables] + [1])
+        table = np.zeros((len(new_tables), width), dtype=np.int32)
+        for s, blocks in enumerate(new_tables):
+            table[s, : len(blocks)] = blocks
+        levels.append(
+            dataclasses.replace(
+                prefix,
+                block_tables=torch.from_numpy(table),
+                lengths=torch.tensor(new_lengths, dtype=torch.int32),
+                host_lengths=tuple(new_lengths),
+            )
+        )
+    starts = np.asarray(own.host_query_start, dtype=np.int64)
+    tables = own.block_tables.cpu().numpy()
+    if tables.shape[1] == 0:
+        tables = np.zeros((tables.shape[0], 1), dtype=np.int32)
+    first = np.minimum(starts[:-1], own.num_rows - 1)
+    before = np.where(starts[1:] > starts[:-1], carried[first], 0)
+    shift = before // size  # carried blocks go in front of the own ones
+    columns = np.arange(most + tables.shape[1])[None, :]
+    source = columns - shift[:, None]
+    table = np.where(
+        source >= 0,
+        np.take_along_axis(tables, np.clip(source, 0, tables.shape[1] - 1), axis=1),
+        np.take_along_axis(carry[first], np.clip(columns, 0, most - 1), axis=1),
+    ).astype(np.int32)
+    lengths = np.asarray(own.host_context_lens, dtype=np.int64) + before
+    own = dataclasses.replace(
+        own,
+        block_tables=torch.from_numpy(table),
+        context_lens=torch.from_numpy(lengths.astype(np.int32)),
+        host_context_lens=tuple(int(v) for v in lengths),
+    )
+    return own, levels
+
+
+def attention_items(
+    own: OwnBatch, prefixes: Sequence[PrefixBatch], step_keys: int | None = None
+) -> AttentionItems:
     """The items of a step: each request's rows against its own K/V (causal), and each
-    shared segment's rows against its K/V, one batch (chain level) after another."""
+    shared segment's rows against its K/V, one batch (chain level) after another.
+    ``step_keys``: every item's keys start at a multiple of it (``_aligned``), for the
+    batch-invariant mode's whole softmax steps (``attention(split_keys=-1)``)."""
     if any(p.slot_tables is not None for p in prefixes):
         raise ValueError("the compiled CPU kernels take prefix_batch levels, not chain_batch")
+    if step_keys is not None:
+        own, prefixes = _aligned(own, prefixes, step_keys)
     starts = own.query_start.long()
     counts = starts[1:] - starts[:-1]
     own_items = torch.stack(
@@ -215,7 +314,10 @@ def attention(
     split_keys: int = SPLIT_KEYS,
 ) -> Tensor:
     """Every row's attention over its own K/V and its shared segments, merged:
-    q [T, heads, dim] -> out [T, heads, dim] in q's dtype (rows with no key get 0)."""
+    q [T, heads, dim] -> out [T, heads, dim] in q's dtype (rows with no key get 0).
+    split_keys: keys per piece of a long item (the default mode); 0 or -1: batch-invariant
+    (one block a softmax step; or whole steps over items from ``attention_items`` with
+    ``step_keys=INVARIANT_STEP_KEYS``)."""
     _check_caches(q, k_cache, v_cache)
     return module.paged_attention(
         q.contiguous(), k_cache, v_cache, work.tables, work.items, work.item_rows,

@@ -35,7 +35,7 @@ def add_commands(commands, add_model_option: Callable[[argparse.ArgumentParser],
         "target",
         nargs="?",
         default="systems",
-        choices=["systems", "planner", "fields", "decode", "estimate", "gpu", "host"],
+        choices=["systems", "planner", "fields", "decode", "estimate", "gpu", "host", "repro"],
         help="systems (default), planner, fields (field order and dedupe through Spark "
         "local: --tables, --repeat), or decode (decode steps against the floor: "
         "--batch-rows, --prefix-tokens, --dtypes, --decode-tokens, --repeat), or estimate "
@@ -45,7 +45,10 @@ def add_commands(commands, add_model_option: Callable[[argparse.ArgumentParser],
         "--jobs, --device, --tokenizer, --repeat (default 3), --timeout, --budget; --size tiny "
         "or --quick: a tiny model for the CPU), or host (host milliseconds per decode "
         "step at --batch-rows rows, default 1024, and ops per layer of a decode step on "
-        "the CUDA path: --repeat, --decode-tokens)",
+        "the CUDA path: --repeat, --decode-tokens), or repro (rows with the same greedy "
+        "tokens in 4 partitions, one at a time, deduplicated and in a second process as in "
+        "one call, native with deterministic off and on and hf: --systems, --dtypes, --jobs, "
+        "--rows (default 200), --single-rows)",
     )
     add_model_option(bench)
     bench.add_argument(
@@ -95,7 +98,12 @@ def add_commands(commands, add_model_option: Callable[[argparse.ArgumentParser],
         default="movielens,movielens-users,table-rows",
         help="fields: tables, comma-separated",
     )
-    bench.add_argument("--rows", type=int, help="fields: rows per table (default 600 / 120)")
+    bench.add_argument(
+        "--rows", type=int, help="fields: rows per table (default 600 / 120); repro: rows (200)"
+    )
+    bench.add_argument(
+        "--single-rows", type=int, default=40, help="repro: rows run one at a time (default 40)"
+    )
     bench.add_argument(
         "--batch-rows",
         help="decode: rows decoding at once, comma-separated (default 1,4,16,64); host: the "
@@ -120,7 +128,11 @@ def add_commands(commands, add_model_option: Callable[[argparse.ArgumentParser],
     gpu.add_argument(
         "--models", help="gpu: model shapes, comma-separated: 135m, 1b, 3b (default) or tiny"
     )
-    gpu.add_argument("--jobs", help="gpu: etl-128, etl-1024, comma-separated (default both)")
+    gpu.add_argument(
+        "--jobs",
+        help="gpu: etl-128, etl-1024, comma-separated (default both); repro: movielens, "
+        "etl-fewshot (default both)",
+    )
     gpu.add_argument("--device", help="gpu: cuda (the default when available) or cpu")
     gpu.add_argument(
         "--tokenizer",
@@ -234,6 +246,20 @@ def command_bench(args) -> int:
         return 0
     if args.target == "gpu":
         return command_gpu(args)
+    if args.target == "repro":
+        from llm_operator_bench.repro import JOBS, run_repro
+
+        run_repro(
+            model=args.model,
+            systems=_names(args.systems) or ["native", "hf"],
+            dtypes=_names(args.dtypes) or ["float32", "bfloat16"],
+            jobs=_names(args.jobs) or list(JOBS),
+            rows=args.rows or 200,
+            single_rows=args.single_rows,
+            out=args.out,
+            name=args.name or "bench-repro",
+        )
+        return 0
     if args.target == "estimate":
         from llm_operator_bench.estimate_bench import SYSTEMS, run_estimate_bench
         from llm_operator_bench.workloads import WORKLOAD_NAMES

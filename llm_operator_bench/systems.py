@@ -126,6 +126,20 @@ SYSTEMS: dict[str, SystemSpec] = {
             dtype="bfloat16",
         ),
         SystemSpec(
+            "native-det",
+            "operator",
+            "native with deterministic=True: batch-invariant kernels (the packed GEMM at every "
+            "row count, attention block by block through block-aligned segments)",
+            {"backend": "native", "deterministic": True},
+        ),
+        SystemSpec(
+            "native-det-bf16",
+            "operator",
+            "native-det with bfloat16 weights, activations and KV cache",
+            {"backend": "native", "deterministic": True},
+            dtype="bfloat16",
+        ),
+        SystemSpec(
             "vllm-plan",
             "operator",
             "llm-operator, vllm backend: the plan fed to vLLM group by group, in waves the "

@@ -36,7 +36,8 @@ class Layout:
     heads, dim] are the last n own positions. ``run`` returns the attention of every row.
     """
 
-    def __init__(self, dtype, block_size, generator, num_blocks=768):
+    def __init__(self, dtype, block_size, generator, num_blocks=None):
+        num_blocks = num_blocks or 12288 // block_size
         self.dtype, self.block_size = dtype, block_size
         self.free = torch.randperm(num_blocks, generator=generator).tolist()
         shape = (num_blocks, block_size, KV_HEADS, DIM)
@@ -86,7 +87,8 @@ class Layout:
             )
         q = torch.cat([r[3] for r in self.requests]).to(self.dtype)
         k_cpu, v_cpu = cpu_ops.to_cpu_layout(self.k, self.v)
-        work = cpu_ops.attention_items(own, prefixes)
+        step_keys = cpu_ops.INVARIANT_STEP_KEYS if split_keys < 0 else None
+        work = cpu_ops.attention_items(own, prefixes, step_keys)
         return cpu_ops.attention(module, q, k_cpu, v_cpu, work, DIM**-0.5, split_keys)
 
 
@@ -153,12 +155,15 @@ def _layouts(dtype, block_size, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, 32, 8])
+@pytest.mark.parametrize("split_keys", [-1, 0], ids=["aligned-steps", "block-steps"])
 def test_invariant_attention_gives_a_row_the_same_bits_in_every_layout(
-    cpu_module, dtype, block_size
+    cpu_module, dtype, block_size, split_keys
 ):
+    """Both invariant modes: whole softmax steps over items aligned to them (the engine's,
+    split_keys -1), and one block a step (0, for block sizes that do not tile a step)."""
     cases = _layouts(dtype, block_size, seed=block_size)
-    outputs = {name: layout.run(cpu_module, 0)[row] for name, layout, row in cases}
+    outputs = {name: layout.run(cpu_module, split_keys)[row] for name, layout, row in cases}
     expected = outputs["alone"]
     for name, out in outputs.items():
         assert torch.equal(out, expected), f"{name}: differs from the row alone"
@@ -263,3 +268,111 @@ def test_default_mode_rows_depend_on_their_batch(tiny_llama_dir):
         _answers(tiny_llama_dir, [prompts[r]], "float32", False)[0] for r in (0, 4, 31, 63)
     ]
     assert any(a != whole[r] for a, r in zip(alone, (0, 4, 31, 63)))
+
+
+# ---------------------------------------------------------------- Spark retries, resumed checkpoints
+
+
+def _spark_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("pyspark") is not None
+
+
+@pytest.mark.skipif(not _spark_available(), reason="needs pyspark")
+def test_spark_partitions_and_a_retried_task_give_the_rows_of_one_partition(
+    spark, tiny_llama_dir, tmp_path
+):
+    """40 rows in 4 Spark partitions of mixed tasks, one task SIGKILLed after its first
+    output batch and retried, against the same rows in one partition: every row's text and
+    log-probability are bit-identical (deterministic=True)."""
+    import json
+    import sys
+
+    from pyspark import cloudpickle
+    from test_faults import _job_group, _killing_llm_udf
+
+    from llm_operator.integrations.spark import llm_infer
+
+    cloudpickle.register_pickle_by_value(sys.modules["test_faults"])
+    prompts = _prompts(40)
+    options = dict(
+        model=str(tiny_llama_dir), max_tokens=6, ignore_eos=True, logprobs=True,
+        deterministic=True,
+    )  # fmt: skip
+    rows = [(i, prompt) for i, prompt in enumerate(prompts)]
+
+    def collect(df, column) -> dict[int, tuple]:
+        out = {}
+        for row in df.select("id", column.alias("r")).collect():
+            assert row["r"]["error"] is None, row["r"]["error"]
+            out[row["id"]] = (row["r"]["text"], row["r"]["logprob"])
+        return out
+
+    one = spark.createDataFrame(spark.sparkContext.parallelize(rows, 1), "id int, prompt string")
+    expected = collect(one, llm_infer("prompt", **options))
+    mixed = rows[1::2] + rows[::2]  # partitions of other neighbours and other batch sizes
+    four = spark.createDataFrame(spark.sparkContext.parallelize(mixed, 4), "id int, prompt string")
+    marker = str(tmp_path / "killed")
+    killing = _killing_llm_udf(options, marker, partition=1, after_frames=1)
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "4")
+    try:
+        with _job_group(spark, "invariance-retry") as counts:
+            got = collect(four, killing("prompt"))
+    finally:
+        spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
+    assert json.loads(open(marker).read())["attempt"] == 0  # the fault fired
+    assert counts["failed_tasks"] >= 1  # and the task was retried
+    assert sorted(got) == sorted(expected)
+    assert [i for i in expected if got[i] != expected[i]] == []
+
+
+def test_a_killed_checkpoint_job_resumes_to_the_rows_of_one_call(tiny_llama_dir, tmp_path):
+    """``llm-operator run --deterministic --checkpoint``: kill -9 after the first chunks,
+    rerun the same command (a new process computes the rest), and every row's tokens and
+    log-probability equal a run of the whole table in one call, without a checkpoint."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from llm_operator.cli import main
+
+    source = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"text": _prompts(48)}), source)
+    folder, out, clean = tmp_path / "ckpt", tmp_path / "out.jsonl", tmp_path / "clean.jsonl"
+
+    def argv(output, *extra):
+        return [
+            "run", str(source), "--prompt-col", "text", "--output", str(output), "--model",
+            str(tiny_llama_dir), "--max-tokens", "16", "--ignore-eos", "--temperature", "0",
+            "--logprobs", "--deterministic", "--no-progress", *extra,
+        ]  # fmt: skip
+
+    resumable = argv(out, "--checkpoint", str(folder), "--checkpoint-rows", "3")
+    env = {**os.environ, "LLM_OPERATOR_COMPILE": "off"}
+    command = [sys.executable, "-m", "llm_operator.cli", *resumable]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while len(list(folder.glob("part-*.jsonl"))) < 2 and time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"the run ended before its chunks: {process.stderr.read()!r}")
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert 2 <= len(list(folder.glob("part-*.jsonl"))) < 16
+    assert main(resumable) == 0
+    assert main(argv(clean)) == 0
+
+    def rows(path):
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    resumed, whole = rows(out), rows(clean)
+    assert len(resumed) == len(whole) == 48
+    assert all(r["out_logprob"] is not None for r in whole)
+    assert resumed == whole

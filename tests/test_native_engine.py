@@ -24,6 +24,21 @@ def test_multilevel_sharing_matches_hf_generate(native_model_dir):
     assert stats.prefill_tokens_computed == stats.planned_prefill_tokens < stats.prompt_tokens
 
 
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_deterministic_mode_matches_hf_generate(native_model_dir, block_size):
+    """deterministic=True (batch-invariant kernels, segments cut on block boundaries)
+    changes no token: every family against HF generate, shared segments at three levels."""
+    prompts = three_level_prompts()
+    op = LLMOperator(
+        native_model_dir, backend="native", deterministic=True, kv_block_size=block_size
+    )
+    results = op.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    assert_matches_hf(op, native_model_dir, prompts, results, 10, ignore_eos=True)
+    plan = op.plan(prompts)
+    assert plan.segments and all(len(s.token_ids) % block_size == 0 for s in plan.segments)
+    assert all(s.start % block_size == 0 for s in plan.segments)
+
+
 @pytest.mark.parametrize(
     ("block_size", "budget"),
     [(4, 8), (4, 7), (16, 5), (3, 64), (32, 4096)],

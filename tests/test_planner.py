@@ -26,9 +26,16 @@ def _common_prefix(first, second) -> int:
 
 
 def check_plan(
-    plan: Plan, prompts, max_tokens, merge_keys=None, min_shared_tokens=4, share_prefixes=True
+    plan: Plan,
+    prompts,
+    max_tokens,
+    merge_keys=None,
+    min_shared_tokens=4,
+    share_prefixes=True,
+    align=1,
 ) -> None:
-    """Assert every structural contract of a Plan against its inputs."""
+    """Assert every structural contract of a Plan against its inputs (``align``: the
+    plan's segment_align, which may leave up to align - 1 more shared tokens unshared)."""
     rows = len(prompts)
     per_row_max = [max_tokens] * rows if isinstance(max_tokens, int) else list(max_tokens)
     requests, segments, groups = plan.requests, plan.segments, plan.groups
@@ -91,9 +98,10 @@ def check_plan(
     if share_prefixes:
         for first, second in itertools.combinations(requests, 2):
             common = _common_prefix(first.token_ids, second.token_ids)
-            if common >= min_shared_tokens:
+            if common >= min_shared_tokens + align - 1:
                 shared = [a for a, b in zip(first.chain, second.chain) if a == b]
-                assert shared and segments[shared[-1]].end > common - min_shared_tokens
+                assert shared
+                assert segments[shared[-1]].end > common - min_shared_tokens - (align - 1)
 
     # Statistics.
     stats = plan.stats
@@ -111,7 +119,7 @@ def check_plan(
     assert stats.single_level_prefill_tokens == single
     assert stats.prompt_tokens >= stats.single_level_prefill_tokens >= stats.prefill_tokens
     assert stats.prefill_tokens >= stats.unique_tokens
-    if share_prefixes and min_shared_tokens == 1:
+    if share_prefixes and min_shared_tokens == 1 and align == 1:
         assert stats.prefill_tokens == stats.unique_tokens
     if not share_prefixes:
         assert stats.prefill_tokens == sum(len(r.token_ids) for r in requests)
@@ -479,3 +487,32 @@ def test_input_order_after_heavy_merging():
     plan = build_plan(prompts, 4, merge_keys=keys, decode_first=False)
     check_plan(plan, prompts, 4, keys)
     assert [r.rows[0] for r in plan.requests] == [0, 6, 7, 8]
+
+
+@settings(max_examples=150, deadline=None)
+@given(batch=batches(), min_shared_tokens=st.integers(1, 4), align=st.integers(1, 5))
+def test_segment_align_puts_every_segment_boundary_on_a_multiple(batch, min_shared_tokens, align):
+    """segment_align (the batch-invariant mode's KV block size): each segment starts and ends
+    at a multiple of it; the plan keeps its invariants, and shares no more than unaligned."""
+    prompts, max_tokens, merge_keys = batch
+    plan = build_plan(
+        prompts, max_tokens, merge_keys=merge_keys, min_shared_tokens=min_shared_tokens,
+        segment_align=align,
+    )  # fmt: skip
+    check_plan(plan, prompts, max_tokens, merge_keys, min_shared_tokens, True, align)
+    for segment in plan.segments:
+        assert segment.start % align == 0 and len(segment.token_ids) % align == 0
+    unaligned = build_plan(
+        prompts, max_tokens, merge_keys=merge_keys, min_shared_tokens=min_shared_tokens
+    )
+    assert plan.stats.prefill_tokens >= unaligned.stats.prefill_tokens
+
+
+def test_segment_align_cuts_a_shared_prefix_back_to_a_block():
+    shared = list(range(100, 121))  # 21 shared tokens
+    prompts = [shared + [1, 2], shared + [3, 4], shared + [5]]
+    plan = build_plan(prompts, 4, segment_align=8)
+    assert [s.token_ids for s in plan.segments] == [tuple(shared[:16])]
+    assert build_plan(prompts, 4, segment_align=32).segments == ()
+    with pytest.raises(ValueError, match="segment_align"):
+        build_plan(prompts, 4, segment_align=0)

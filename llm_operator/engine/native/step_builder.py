@@ -259,10 +259,12 @@ class StepBuilder:
                 for level in host.levels
             ]
         step = kernels.AttentionStep(
-            self.implementation, own_batch, prefix_batches, device_tensor(host.slots, device)
+            self.implementation,
+            own_batch,
+            prefix_batches,
+            device_tensor(host.slots, device),
+            invariant=self.invariant,
         )
-        if self.invariant:
-            step.split_keys = 0
         return StepBatch(
             input_ids=device_tensor(host.input_ids, device),
             positions=device_tensor(host.positions, device),
