@@ -42,6 +42,13 @@ __all__ = [
 ]
 
 
+NOT_INVARIANT = (
+    "deterministic=True: batch-invariant kernels exist for the native backend only; backend "
+    "{backend!r} computes a row differently beside other rows. Use backend='native' (Llama, "
+    "Qwen2, Qwen3, Mistral) or leave deterministic unset"
+)
+
+
 def physical_memory_bytes() -> int:
     """Installed RAM (falls back to 8 GiB where the OS does not say)."""
     try:
@@ -169,13 +176,15 @@ class EngineConfig:
         check=one_of("auto", "on", "off"),
         choices=("auto", "on", "off"),
     )
-    deterministic: bool = option(
-        False,
-        doc="native on the CPU: batch-invariant kernels, so a row's greedy tokens do not depend "
-        "on its neighbours, partition, process or retry (the packed GEMM at every row count, "
-        "attention carried block by block through block-aligned shared segments); off: the "
-        "fastest GEMM per shape, still the same choice in every process of a machine kind",
-        check=boolean,
+    deterministic: bool | None = option(
+        None,
+        doc="native on the CPU: batch-invariant kernels, so a row's tokens do not depend on "
+        "its neighbours, partition, process or retry (the packed GEMM at every row count; "
+        "attention in fixed steps through block-aligned shared segments); None: on for the "
+        "native engine on a CPU without AMX, off elsewhere (not measured there); off: the "
+        "fastest GEMM per shape (the same choice in every process of a machine kind). True "
+        "with backend hf or vllm is an error",
+        check=optional(boolean),
         cli="flag",
     )
     trust_remote_code: bool = option(
@@ -224,6 +233,8 @@ class EngineConfig:
         check_fields(self)
         if self.backend in ("native", "hf"):
             check_single_gpu(self, self.backend)
+        if self.deterministic and self.backend in ("hf", "vllm"):
+            raise ValueError(NOT_INVARIANT.format(backend=self.backend))
 
     def with_batch_defaults(self, memory_bytes: int | None) -> EngineConfig:
         """This config with ``max_batch_size`` and ``prefill_batch_tokens`` set: as given,

@@ -47,7 +47,8 @@ def add_commands(commands, add_model_option: Callable[[argparse.ArgumentParser],
         "step at --batch-rows rows, default 1024, and ops per layer of a decode step on "
         "the CUDA path: --repeat, --decode-tokens), or repro (rows with the same greedy "
         "tokens in 4 partitions, one at a time, deduplicated and in a second process as in "
-        "one call, native with deterministic off and on and hf: --systems, --dtypes, --jobs, "
+        "one call, for the native backend (deterministic off and on) and hf: --systems, "
+        "--dtypes, --jobs, "
         "--rows (default 200), --single-rows)",
     )
     add_model_option(bench)

@@ -18,6 +18,40 @@ def choose_backend(config: EngineConfig, info: ModelInfo) -> str:
     return "native" if info.native_unsupported is None else "hf"
 
 
+def invariant_kernels(config: EngineConfig, backend_name: str) -> bool:
+    """Whether a run takes the batch-invariant kernels: ``deterministic`` resolved for the
+    backend that runs. None (the default): on for the native engine on a CPU without AMX,
+    where they measured as fast as the fastest-per-shape kernels (issue 30); off on CPUs
+    with AMX (whose oneDNN bf16 GEMMs the packed kernel does not match; not measured) and
+    on GPUs. True with another backend: ValueError."""
+    from llm_operator.config import NOT_INVARIANT
+
+    if config.deterministic is False:
+        return False
+    if backend_name != "native":
+        if config.deterministic:
+            raise ValueError(NOT_INVARIANT.format(backend=backend_name))
+        return False
+    if config.deterministic:
+        return True
+    from llm_operator.models import resolve_device
+
+    return resolve_device(config.device).type == "cpu" and not _has_amx()
+
+
+def segment_align(config: EngineConfig, backend_name: str) -> int:
+    """Tokens every shared segment of a plan ends on a multiple of: the KV block size where
+    the batch-invariant kernels run (they need segments on block boundaries), else 1."""
+    return config.kv_block_size if invariant_kernels(config, backend_name) else 1
+
+
+def _has_amx() -> bool:
+    try:
+        return bool(torch.cpu._is_amx_tile_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def build_backend(config: EngineConfig, info: ModelInfo, tokenizer):
     """The backend ``choose_backend`` names, its model loaded; every backend reads its
     settings from ``config`` (with ``kv_cache_memory`` resolved for the device)."""

@@ -175,6 +175,8 @@ def calibration_key(op, backend) -> dict[str, Any]:
         "prefill_batch_tokens": config.prefill_batch_tokens,
         "max_batch_size": config.max_batch_size,
         "kv_block_size": config.kv_block_size,
+        # the batch-invariant kernels cost differently (native: the packed GEMM throughout)
+        "invariant": bool(getattr(backend, "invariant", False)),
         "vllm_options": [list(item) for item in config.vllm_options],
     }
 
@@ -306,6 +308,7 @@ def run_token_ids(op, token_ids: Sequence[Sequence[int]], max_tokens: Sequence[i
         min_shared_tokens=op.config.min_shared_tokens,
         decode_first=op.config.decode_first,
         share_prefixes=op.config.share_prefixes,
+        segment_align=op.segment_align(),
     )
     backend = op.backend()
     _reset_prefix_cache(backend)

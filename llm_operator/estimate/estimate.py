@@ -558,6 +558,7 @@ def _split(op, plan, ignore_eos, inputs: CostInputs, executors: int, known) -> t
             min_shared_tokens=op.config.min_shared_tokens,
             decode_first=op.config.decode_first,
             share_prefixes=op.config.share_prefixes,
+            segment_align=op.segment_align(),
         )
         sub_known = {r.request_id: samples[requests[r.rows[0]].request_id] for r in sub.requests}
         times.append(predict(sub, [False] * len(sub.requests), inputs, known=sub_known).seconds)

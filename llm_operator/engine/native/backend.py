@@ -25,6 +25,7 @@ import torch
 
 from llm_operator import kernels
 from llm_operator.config import EngineConfig
+from llm_operator.engine.factory import invariant_kernels
 from llm_operator.engine.native.block_manager import BlockManager
 from llm_operator.engine.native.decode_graphs import DecodeGraphs
 from llm_operator.engine.native.op_profile import OpProfile, TimedOps, profiling_requested
@@ -97,7 +98,7 @@ class NativeBackend:
         self._graphs: DecodeGraphs | None = None  # of the pool's caches (decode_graphs)
         self.decoder: CompiledDecoder | None = None
         # deterministic: batch-invariant GEMMs and attention (the CPU's compiled kernels)
-        self.invariant = engine_config.deterministic
+        self.invariant = invariant_kernels(engine_config, "native")
         self.gemm = INVARIANT_GEMM if self.invariant else DEFAULT_GEMM
         if self.device.type == "cpu":  # pack the weights, time each linear shape's GEMMs once
             max_batched_tokens = engine_config.prefill_batch_tokens
