@@ -186,6 +186,8 @@ def _aligned(
                 block_tables=torch.from_numpy(table),
                 lengths=torch.tensor(new_lengths, dtype=torch.int32),
                 host_lengths=tuple(new_lengths),
+                max_length=max(new_lengths, default=0),
+                derived={},  # launch data of the original tables does not apply
             )
         )
     starts = np.asarray(own.host_query_start, dtype=np.int64)
@@ -208,6 +210,8 @@ def _aligned(
         block_tables=torch.from_numpy(table),
         context_lens=torch.from_numpy(lengths.astype(np.int32)),
         host_context_lens=tuple(int(v) for v in lengths),
+        max_context_len=int(lengths.max(initial=0)),
+        derived={},
     )
     return own, levels
 

@@ -18,7 +18,7 @@ then the same rows
     second process     the whole job again in a new worker process (what a Spark retry or a
                        resumed checkpoint does: a new process computes the rows again).
 and counts the rows whose tokens equal the reference's. Modes: the native backend with
-``deterministic`` off (default) and on; the hf backend has one mode.
+``deterministic`` off and on; the hf backend has one mode (not batch-invariant).
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ def _worker(task: dict[str, Any], queue) -> None:
 
         started = time.perf_counter()
         options = {"backend": task["backend"], "dtype": task["dtype"]}
-        if task["deterministic"]:
-            options["deterministic"] = True
+        if task["backend"] == "native":
+            options["deterministic"] = task["deterministic"]
         op = LLMOperator(task["model"], **options)
         tokenizer = load_tokenizer(resolve_model(task["model"]).path)
         prompts, params = make_job(task["job"], tokenizer, task["rows"])
@@ -94,7 +94,9 @@ def _worker(task: dict[str, Any], queue) -> None:
             answers: list = [None] * len(prompts)
             for part in range(4):
                 chosen = [r for r in rows if _partition(r) == part]
-                got = _answers(op.generate([prompts[r] for r in chosen], [params[r] for r in chosen]))
+                got = _answers(
+                    op.generate([prompts[r] for r in chosen], [params[r] for r in chosen])
+                )
                 for r, answer in zip(chosen, got):
                     answers[r] = answer
             out["4 partitions"] = answers
@@ -108,7 +110,9 @@ def _worker(task: dict[str, Any], queue) -> None:
             keys = [json.dumps(p, sort_keys=True) for p in prompts]
             first = {key: r for r, key in reversed(list(enumerate(keys)))}
             distinct = sorted(first.values())
-            got = _answers(op.generate([prompts[r] for r in distinct], [params[r] for r in distinct]))
+            got = _answers(
+                op.generate([prompts[r] for r in distinct], [params[r] for r in distinct])
+            )
             by_key = {keys[r]: answer for r, answer in zip(distinct, got)}
             out["dedupe"] = [by_key[key] for key in keys]
             out["distinct"] = len(distinct)
@@ -180,9 +184,9 @@ def run_repro(
 
 
 def _line(record: dict[str, Any]) -> str:
-    mode = "deterministic" if record["deterministic"] else "default"
+    mode = "deterministic" if record["deterministic"] else "not deterministic"
     cells = "  ".join(f"{case}: {record[case][0]}/{record[case][1]}" for case in CASES)
-    return f"{record['job']:12} {record['backend']:6} {record['dtype']:8} {mode:13} {cells}"
+    return f"{record['job']:12} {record['backend']:6} {record['dtype']:8} {mode:17} {cells}"
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -195,7 +199,7 @@ def markdown(report: dict[str, Any]) -> str:
         "|---|---|---|---|" + "---:|" * len(CASES),
     ]
     for r in report["records"]:
-        mode = "deterministic" if r["deterministic"] else "default"
+        mode = "deterministic" if r["deterministic"] else "not deterministic"
         cells = " | ".join(f"{r[c][0]}/{r[c][1]}" for c in CASES)
         lines.append(f"| {r['job']} | {r['backend']} | {r['dtype']} | {mode} | {cells} |")
     return "\n".join(lines) + "\n"

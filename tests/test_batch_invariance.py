@@ -188,7 +188,9 @@ def test_packed_linear_gives_a_row_the_same_bits_at_every_row_count(cpu_module, 
     packed = cpu_ops.pack_linear_weight(cpu_module, weight)
     x = torch.randn(64, 96, generator=generator).to(dtype)
     bias = torch.randn(200, generator=generator).to(dtype)
-    alone = [cpu_ops.packed_linear(cpu_module, x[i : i + 1], packed, bias, 200)[0] for i in range(64)]
+    alone = [
+        cpu_ops.packed_linear(cpu_module, x[i : i + 1], packed, bias, 200)[0] for i in range(64)
+    ]
     for rows in (2, 7, 9, 64):
         out = cpu_ops.packed_linear(cpu_module, x[:rows], packed, bias, 200)
         for i in range(rows):
@@ -264,9 +266,7 @@ def test_default_mode_rows_depend_on_their_batch(tiny_llama_dir):
     fail."""
     prompts = _prompts(64)
     whole = _answers(tiny_llama_dir, prompts, "float32", False)
-    alone = [
-        _answers(tiny_llama_dir, [prompts[r]], "float32", False)[0] for r in (0, 4, 31, 63)
-    ]
+    alone = [_answers(tiny_llama_dir, [prompts[r]], "float32", False)[0] for r in (0, 4, 31, 63)]
     assert any(a != whole[r] for a, r in zip(alone, (0, 4, 31, 63)))
 
 
@@ -376,3 +376,44 @@ def test_a_killed_checkpoint_job_resumes_to_the_rows_of_one_call(tiny_llama_dir,
     assert len(resumed) == len(whole) == 48
     assert all(r["out_logprob"] is not None for r in whole)
     assert resumed == whole
+
+
+# ---------------------------------------------------------------- the option
+
+
+def test_deterministic_resolves_per_backend_and_machine(monkeypatch):
+    from llm_operator.config import EngineConfig
+    from llm_operator.engine import factory
+
+    monkeypatch.setattr(factory, "_has_amx", lambda: False)
+    auto = EngineConfig(device="cpu")
+    assert factory.invariant_kernels(auto, "native") is True
+    assert factory.segment_align(EngineConfig(device="cpu", kv_block_size=32), "native") == 32
+    assert factory.invariant_kernels(auto, "hf") is False  # hf: never batch-invariant
+    assert factory.segment_align(auto, "hf") == 1
+    off = EngineConfig(device="cpu", deterministic=False)
+    assert factory.invariant_kernels(off, "native") is False
+    monkeypatch.setattr(factory, "_has_amx", lambda: True)  # AMX: not measured, opt in
+    assert factory.invariant_kernels(auto, "native") is False
+    assert factory.invariant_kernels(EngineConfig(deterministic=True), "native") is True
+    with pytest.raises(ValueError, match="native backend only; backend 'hf'"):
+        EngineConfig(backend="hf", deterministic=True)
+    with pytest.raises(ValueError, match="backend 'hf'"):  # auto that resolved to hf
+        factory.invariant_kernels(EngineConfig(deterministic=True), "hf")
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        EngineConfig(deterministic="yes")
+
+
+def test_deterministic_rows_survive_preemption_bit_for_bit(tiny_llama_dir):
+    """A KV budget of a few rows: requests are preempted and recomputed, and every row's
+    tokens and log-probability still equal the unconstrained run's."""
+    prompts = _prompts(24)
+    whole = _answers(tiny_llama_dir, prompts, "float32", True)
+    op = LLMOperator(
+        tiny_llama_dir, backend="native", deterministic=True, kv_block_size=16,
+        kv_cache_memory=24 * 16 * 512,  # 24 blocks of 16 tokens (512 bytes a token)
+    )  # fmt: skip
+    sampling = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, ignore_eos=True)
+    squeezed = [(tuple(r.token_ids), r.logprob) for r in op.generate(prompts, sampling)]
+    assert op.backend().last_profile.preemptions > 0
+    assert squeezed == whole

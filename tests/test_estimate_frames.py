@@ -146,7 +146,8 @@ def test_dask_ignore_eos_predicts_max_tokens_exactly_without_a_sample(model_dir)
 
 
 def test_dask_prefill_follows_the_partitioning(model_dir):
-    options = {"model": model_dir, "max_tokens": 3, "ignore_eos": True}
+    # unaligned segments (deterministic=False): the chat template's short opening is shared
+    options = {"model": model_dir, "max_tokens": 3, "ignore_eos": True, "deterministic": False}
     grouped = llm_dask.llm_estimate(dask_frame(GROUPED), "prompt", **options)
     scattered = llm_dask.llm_estimate(dask_frame(SCATTERED), "prompt", **options)
     one = llm_dask.llm_estimate(dask_frame(SCATTERED, 1), "prompt", **options)

@@ -63,9 +63,7 @@ def unshared_segment_tree(num_requests: int) -> SegmentTree:
     return tree
 
 
-def derive_segment_tree(
-    trie: PrefixTree, min_shared_tokens: int, align: int = 1
-) -> SegmentTree:
+def derive_segment_tree(trie: PrefixTree, min_shared_tokens: int, align: int = 1) -> SegmentTree:
     """Keep the trie nodes shared by >= 2 requests and at least ``min_shared_tokens`` long.
 
     A node's length is measured from the end of its nearest kept ancestor, so the tokens of

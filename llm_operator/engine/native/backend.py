@@ -109,7 +109,7 @@ class NativeBackend:
             model.use_gemm(self.gemm)
             self.decoder = CompiledDecoder(model)
             warm_eager_path(model)
-        if self.invariant:
+        if engine_config.deterministic:  # asked for: say where it cannot hold
             warn_unless_invariant(self)
         # LLM_OPERATOR_PROFILE_OPS: each iteration's seconds by kind of work (op_profile.py)
         self.op_profile: OpProfile | None = None
@@ -215,7 +215,9 @@ class NativeBackend:
 
 def warn_unless_invariant(backend: NativeBackend) -> None:
     """deterministic=True holds where the compiled CPU kernels run the attention and every
-    projection; elsewhere say so once (the run goes on, batch-dependent)."""
+    projection; elsewhere say so once (the run goes on, batch-dependent). Left unset, the
+    mode is the default where it can hold: nothing more to say (a kernel that failed its
+    proof has warned already)."""
     import warnings
 
     implementation = backend._implementation()
