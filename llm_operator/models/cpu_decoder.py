@@ -9,9 +9,10 @@ embedding lookup, the RoPE tables and the LM head stay in Python (once per step)
 
 It runs a step only where the eager forward would have taken the same kernels: the
 compiled CPU kernels are loaded, the attention is the compiled one (``AttentionStep`` of
-implementation ``cpp``), the activation is SiLU, and ``GemmChoice`` picks the packed kernel
-for every projection at this step's row count (elsewhere, e.g. oneDNN with AMX on a long
-bf16 prefill, the eager forward runs that step). ``LLM_OPERATOR_COMPILED_DECODER=0``
+implementation ``cpp``), the activation is SiLU, and the model's GEMM (``model.gemm``) takes
+the packed kernel for every projection at this step's row count: always for the
+batch-invariant ``InvariantGemm``; for the measured ``GemmChoice`` where it chose so
+(elsewhere, e.g. oneDNN with AMX on a long bf16 prefill, the eager forward runs that step). ``LLM_OPERATOR_COMPILED_DECODER=0``
 turns it off.
 """
 
