@@ -130,7 +130,7 @@ def _in_process(task: dict[str, Any]) -> dict[str, Any]:
     result = queue.get()
     process.join()
     if "error" in result:
-        raise RuntimeError(f"{task['system']} {task['dtype']} {task['job']}: {result['error']}")
+        raise RuntimeError(f"{task['backend']} {task['dtype']} {task['job']}: {result['error']}")
     return result
 
 
@@ -161,8 +161,7 @@ def run_repro(
                 for deterministic in modes[backend]:
                     task = dict(
                         model=model, backend=backend, dtype=dtype, deterministic=deterministic,
-                        job=job, rows=rows, single_rows=single_rows, system=backend,
-                        cases=CASES[:3],
+                        job=job, rows=rows, single_rows=single_rows, cases=CASES[:3],
                     )  # fmt: skip
                     first = _in_process(task)
                     second = _in_process({**task, "cases": ()})

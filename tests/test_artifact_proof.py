@@ -56,6 +56,16 @@ def runs(marker: Path) -> int:
     return len(marker.read_text().splitlines()) if marker.exists() else 0
 
 
+def outcomes_of(processes: list[subprocess.Popen]) -> list:
+    """Each process's last stdout line as JSON, once all have exited cleanly."""
+    outcomes = []
+    for process in processes:
+        stdout, stderr = process.communicate(timeout=180)
+        assert process.returncode == 0, stderr[-2000:]
+        outcomes.append(json.loads(stdout.splitlines()[-1]))
+    return outcomes
+
+
 def fresh_process(*args: str, script: str = FRESH_PROCESS) -> subprocess.Popen:
     environment = {**os.environ, "PYTHONPATH": str(TESTS_DIR)}
     environment.pop(artifact_proof.PROVE_ENV, None)
@@ -137,11 +147,7 @@ def test_concurrent_processes_run_one_child_and_leave_one_valid_verdict(proofs, 
     marker = tmp_path / "runs"
     arguments = json.dumps({"marker": str(marker), "sleep": 1.0})
     processes = [fresh_process(arguments, str(tmp_path)) for _ in range(3)]
-    outcomes = []
-    for process in processes:
-        stdout, stderr = process.communicate(timeout=180)
-        assert process.returncode == 0, stderr[-2000:]
-        outcomes.append(json.loads(stdout.splitlines()[-1]))
+    outcomes = outcomes_of(processes)
     assert sorted(source for _, source in outcomes) == ["child", "disk", "disk"]
     assert all(passed for passed, _ in outcomes) and runs(marker) == 1
     (verdict_file,) = tmp_path.glob("*.proof.json")
@@ -260,11 +266,7 @@ def test_concurrent_processes_build_once(proofs, tmp_path):
     built, artifact = tmp_path / "built", tmp_path / "lib.so"
     arguments = json.dumps({"marker": str(built), "sleep": 1.0})
     processes = [fresh_process(arguments, str(artifact), script=FRESH_BUILD) for _ in range(3)]
-    outcomes = []
-    for process in processes:
-        stdout, stderr = process.communicate(timeout=180)
-        assert process.returncode == 0, stderr[-2000:]
-        outcomes.append(json.loads(stdout.splitlines()[-1]))
+    outcomes = outcomes_of(processes)
     assert sorted(source for _, source in outcomes) == ["child", "disk", "disk"]
     assert all(passed for passed, _ in outcomes) and runs(built) == 1
     assert artifact.read_text() == "built" and not list(tmp_path.glob("*staged*"))

@@ -201,6 +201,7 @@ def test_packed_linear_gives_a_row_the_same_bits_at_every_row_count(cpu_module, 
 
 
 from helpers import REVIEWS  # noqa: E402
+from test_faults import spark_available  # noqa: E402
 
 from llm_operator import LLMOperator, SamplingParams  # noqa: E402
 
@@ -273,13 +274,7 @@ def test_default_mode_rows_depend_on_their_batch(tiny_llama_dir):
 # ---------------------------------------------------------------- Spark retries, resumed checkpoints
 
 
-def _spark_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("pyspark") is not None
-
-
-@pytest.mark.skipif(not _spark_available(), reason="needs pyspark")
+@spark_available
 def test_spark_partitions_and_a_retried_task_give_the_rows_of_one_partition(
     spark, tiny_llama_dir, tmp_path
 ):

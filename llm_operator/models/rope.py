@@ -78,10 +78,11 @@ def rope_inverse_frequencies(hf_config: Any, head_dim: int) -> tuple[Tensor, flo
     return inv_freq.float(), float(attention_scaling)
 
 
-# cos/sin of CPU steps come from tables built in blocks of this many elements: a block is
-# one unary op small enough to run on one thread and a multiple of 32 elements, so ATen takes
-# its vectorized path for every element (it computes a loop's last few elements with the
-# scalar function, which rounds differently): a position's values never depend on the step.
+# cos/sin of CPU steps come from tables built in blocks of about this many elements (whole
+# positions, at fixed starts). ATen computes a loop's last few elements with the scalar
+# function, which rounds differently from the vector one, so values computed per step
+# depended on where a position fell in the step; in the tables each position is always
+# computed by the same block, the same way. Small enough to run on one thread.
 TABLE_BLOCK_ELEMENTS = 1 << 14
 
 

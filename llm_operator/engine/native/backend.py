@@ -280,7 +280,7 @@ class _NativeSteps:
             implementation=self.implementation,
             segment_blocks=self.scheduler.segment_blocks,
             segment_length=self.scheduler.segment_length,
-            invariant=backend.invariant and self.implementation == "cpp",
+            invariant=backend.invariant,  # the compiled CPU attention's mode (others ignore it)
         )
         if backend.device.type == "cpu":
             backend.model.use_gemm(backend.gemm)  # another backend may share the model

@@ -131,7 +131,8 @@ class StepBuilder:
         segment_length: Callable[[int], int],
         invariant: bool = False,
     ) -> None:
-        """invariant: the compiled CPU attention in its batch-invariant mode (split_keys 0)."""
+        """invariant: the compiled CPU attention in its batch-invariant mode
+        (``AttentionStep(invariant=True)``; the other implementations have none)."""
         self.invariant = invariant
         self.block_size = block_size
         self.pool_blocks = pool_blocks  # the cache's blocks (>= the run's: a pool is reused)
