@@ -493,7 +493,11 @@ def test_input_order_after_heavy_merging():
 @given(batch=batches(), min_shared_tokens=st.integers(1, 4), align=st.integers(1, 5))
 def test_segment_align_puts_every_segment_boundary_on_a_multiple(batch, min_shared_tokens, align):
     """segment_align (the batch-invariant mode's KV block size): each segment starts and ends
-    at a multiple of it; the plan keeps its invariants, and shares no more than unaligned."""
+    at a multiple of it, and the plan keeps every invariant (check_plan, with sharing maximal up
+    to min_shared_tokens + align - 1). No order against the unaligned plan is claimed: the
+    planner's tree is greedy, and cutting at blocks can end in a deeper tree that shares more
+    (five prompts of 0s with lengths 1, 1, 4, 6, 6, min_shared_tokens=3, align=3: 9 prefill
+    tokens aligned, 10 unaligned)."""
     prompts, max_tokens, merge_keys = batch
     plan = build_plan(
         prompts, max_tokens, merge_keys=merge_keys, min_shared_tokens=min_shared_tokens,
@@ -502,10 +506,6 @@ def test_segment_align_puts_every_segment_boundary_on_a_multiple(batch, min_shar
     check_plan(plan, prompts, max_tokens, merge_keys, min_shared_tokens, True, align)
     for segment in plan.segments:
         assert segment.start % align == 0 and len(segment.token_ids) % align == 0
-    unaligned = build_plan(
-        prompts, max_tokens, merge_keys=merge_keys, min_shared_tokens=min_shared_tokens
-    )
-    assert plan.stats.prefill_tokens >= unaligned.stats.prefill_tokens
 
 
 def test_segment_align_cuts_a_shared_prefix_back_to_a_block():
