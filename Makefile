@@ -16,7 +16,7 @@ demo: $(VENV)/.installed-run
 
 # the tests that need vLLM run in its venv (test-vllm), not twice
 VLLM_TESTS ?= 1
-VLLM_TEST_FILES := tests/test_vllm_backend.py tests/test_bench_vllm.py
+VLLM_TEST_FILES := tests/test_vllm_backend.py tests/test_bench_vllm.py tests/test_openai_backend.py
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
 ifeq ($(VLLM_TESTS),1)

@@ -1,6 +1,8 @@
 """Dataframe integrations (installed as ``llm_operator.integrations``).
 
 - ``spark``: ``llm_infer`` (an LLM struct column over a Spark DataFrame) and ``co_locate``;
+- ``spark_ml``: ``LLMTransformer``, ``llm_infer`` as a Spark ML pipeline stage (saved and
+  loaded with the pipeline);
 - ``dask``: ``llm_infer`` (generated columns on a dask DataFrame) and ``co_locate``;
 - ``partition``: what both share: options, one engine per worker, running a partition,
   and the co-location scheme (rows sharing a prompt prefix meet in one partition);

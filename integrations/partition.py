@@ -393,6 +393,14 @@ def run_partition(
         time.perf_counter() - started,
         100 * stats.saving_ratio,
     )
+    if stats.server_prompt_tokens:
+        logger.info(
+            "%s: model server: %d prompt tokens, %d from its prefix cache, %d generated",
+            label,
+            stats.server_prompt_tokens,
+            stats.server_cached_tokens,
+            stats.server_completion_tokens,
+        )
     return results
 
 
@@ -432,6 +440,9 @@ def _log_stats(label: str, rows: int, distinct: int, stats: Any, seconds: float)
             "output_tokens": stats.output_tokens,
             "error_rows": stats.error_rows,
             "invalid_rows": stats.invalid_rows,
+            "server_prompt_tokens": stats.server_prompt_tokens,
+            "server_cached_tokens": stats.server_cached_tokens,
+            "server_completion_tokens": stats.server_completion_tokens,
             "seconds": round(seconds, 3),
             "pid": os.getpid(),
         }

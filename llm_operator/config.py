@@ -27,6 +27,7 @@ from llm_operator.option_fields import (
     optional,
     parse_keyword_item,
     parse_memory_size,
+    positive_number,
     probability_mass,
     text,
 )
@@ -98,7 +99,8 @@ class EngineConfig:
     backend: str = option(
         "auto",
         doc='"native" (our paged-KV engine; Llama, Qwen2/3, Mistral), "hf" (transformers), '
-        '"vllm" (needs vllm), or "auto" (native where it runs, else hf)',
+        '"vllm" (needs vllm), "openai" (an OpenAI-compatible server at base_url), or '
+        '"auto" (native where it runs, else hf)',
         check=one_of(*BACKENDS),
         choices=BACKENDS,
     )
@@ -216,6 +218,55 @@ class EngineConfig:
         cli_type=parse_keyword_item,
     )
 
+    base_url: str | None = option(
+        None,
+        doc='backend "openai": the server\'s API root, such as "http://localhost:8000/v1" '
+        "(vLLM, SGLang or a hosted endpoint)",
+        check=optional(text),
+    )
+    api_key: str | None = option(
+        None,
+        doc='backend "openai": the bearer key; None: $OPENAI_API_KEY, else none',
+        check=optional(text),
+        repr=False,
+    )
+    server_model: str | None = option(
+        None,
+        doc='backend "openai": the model name the server serves (its --served-model-name); '
+        "None: the only model it lists. The model argument gives the tokenizer the plan uses",
+        check=optional(text),
+    )
+    api: str = option(
+        "auto",
+        doc='backend "openai": "completions" (token ids, the plan\'s exact prompt), "chat" '
+        '(messages), or "auto" (completions on a vLLM server, else chat)',
+        check=one_of("auto", "completions", "chat"),
+        choices=("auto", "completions", "chat"),
+    )
+    max_concurrency: int = option(
+        32, doc='backend "openai": most requests in flight per worker', check=integer(1)
+    )
+    request_order: str = option(
+        "plan",
+        doc='backend "openai": "plan" (a prefix group\'s first row alone, then the rest; '
+        'cached groups first) or "table" (the table\'s order, as SynapseML and ai_query '
+        "send it; an ablation)",
+        check=one_of("plan", "table"),
+        choices=("plan", "table"),
+    )
+    request_timeout: float = option(
+        600.0,
+        doc='backend "openai": seconds one request may take before it is retried',
+        check=positive_number,
+        cli_type=float,
+    )
+    max_retries: int = option(
+        6,
+        doc='backend "openai": retries of a request after 429, 5xx, a timeout or a dropped '
+        "connection (exponential backoff with jitter, or the server's Retry-After)",
+        check=integer(0),
+    )
+
     tensor_parallel_size: int | None = option(
         None,
         doc='GPUs each layer is split over (tensor parallelism; above 1: backend "vllm" '
@@ -233,8 +284,18 @@ class EngineConfig:
         check_fields(self)
         if self.backend in ("native", "hf"):
             check_single_gpu(self, self.backend)
-        if self.deterministic and self.backend in ("hf", "vllm"):
+        if self.deterministic and self.backend in ("hf", "vllm", "openai"):
             raise ValueError(NOT_INVARIANT.format(backend=self.backend))
+        if self.backend == "openai" and not self.base_url:
+            raise ValueError(
+                'backend="openai" needs base_url: the server\'s API root, such as '
+                '"http://localhost:8000/v1"'
+            )
+        if self.base_url and self.backend != "openai":
+            raise ValueError(
+                f'base_url={self.base_url!r} is for backend="openai" (here '
+                f"backend={self.backend!r})"
+            )
 
     def with_batch_defaults(self, memory_bytes: int | None) -> EngineConfig:
         """This config with ``max_batch_size`` and ``prefill_batch_tokens`` set: as given,

@@ -17,6 +17,7 @@ from llm_operator import options as option_table
 from llm_operator.config import EngineConfig
 from llm_operator.engine.base import Backend
 from llm_operator.engine.run import Run, run_plan
+from llm_operator.engine.scoring import add_scoring, forced_tokens, row_results
 from llm_operator.planner import Plan, build_plan
 from llm_operator.progress import ProgressBar
 from llm_operator.prompts.encode import PreparedPrompts, Prompt, prepare_prompts
@@ -42,24 +43,15 @@ class LLMOperator:
     """
 
     def __init__(self, model: str | os.PathLike, **options) -> None:
-        from llm_operator.models import load_tokenizer, resolve_model
-        from llm_operator.models.info import read_model_info
+        from llm_operator.models.info import open_model
 
         option_table.split(options, ["engine"])  # TypeError naming an unknown option
         self.config = EngineConfig(**options)
-        if self.config.backend == "vllm":
+        if self.config.backend == "vllm":  # before the tokenizer: say how to get vLLM
             from llm_operator.engine.vllm.backend import require_vllm
 
             require_vllm()
-        trust = self.config.trust_remote_code
-        self.model = resolve_model(
-            model,
-            cache_dir=self.config.cache_dir,
-            trust_remote_code=trust,
-            revision=self.config.revision,
-        )
-        self.tokenizer = load_tokenizer(self.model.path, trust_remote_code=trust)
-        self.model_info = read_model_info(self.model.path, self.tokenizer, trust_remote_code=trust)
+        self.model, self.tokenizer, self.model_info = open_model(model, self.config)
         self.model_config = self.model_info.config
         self.max_context = self.model_info.max_context
         self.last_stats = RunStats()
@@ -92,14 +84,8 @@ class LLMOperator:
         if self._constraints is None:
             from llm_operator.engine.constraints import Constraints
 
-            config = self.model_config
-            text = config.get_text_config() if hasattr(config, "get_text_config") else config
-            vocab_size = getattr(text, "vocab_size", None) or len(self.tokenizer)
-            self._constraints = Constraints(
-                self.tokenizer,
-                vocab_size,
-                self.model_info.eos_token_ids,
-                jump_forward=self.config.jump_forward,
+            self._constraints = Constraints.for_model(
+                self.tokenizer, self.model_info, jump_forward=self.config.jump_forward
             )
         return self._constraints
 
@@ -131,20 +117,9 @@ class LLMOperator:
         prepared = self.prepare(prompts, sampling)
         rows = len(prepared.token_ids)
         constrained = any(p.constraint is not None for p in prepared.params)
-        # rows with choices and logprobs: one scoring request per choice, planned with the
-        # rows (they share the row's prompt), feeding the choice's tokens instead of sampling
-        scoring = self._scoring_rows(prepared) if constrained else []
-        token_ids = [*prepared.token_ids, *(prepared.token_ids[row] for row, _, _ in scoring)]
-        params = [
-            *prepared.params,
-            *(SamplingParams(max_tokens=len(ids), ignore_eos=True) for _, _, ids in scoring),
-        ]
+        constraints = self.constraints() if constrained else None
+        token_ids, params, scoring = add_scoring(prepared, constraints)
         plan, valid = self._plan(token_ids, params, scoring_from=rows)
-        forced = {
-            r.request_id: scoring[valid[r.rows[0]] - rows][2]
-            for r in plan.requests
-            if valid[r.rows[0]] >= rows
-        }
         backend = self.backend() if plan.requests else None
         generate_started = time.perf_counter()
         user_rows = sum(1 for row in valid if row < rows)  # not the scoring requests
@@ -156,26 +131,14 @@ class LLMOperator:
                 eos_token_ids=self.model_info.eos_token_ids,
                 max_context=self.max_context,
                 progress=bar.update,
-                constraints=self.constraints() if constrained else None,
-                forced=forced,
+                constraints=constraints,
+                forced=forced_tokens(plan, valid, scoring, rows),
             )
+            sources = [*prompts, *(prompts[s.row] for s in scoring)]  # what each row asked
+            run.sources = [sources[valid[r.rows[0]]] for r in plan.requests]
             outputs = run_plan(backend, run) if backend is not None else run.result()
         generate_seconds = time.perf_counter() - generate_started
-        results: list[GenerationResult | None] = [None] * rows
-        scores: dict[int, dict[str, float]] = {}
-        for row, message in prepared.errors.items():
-            results[row] = GenerationResult.failed(message)
-        for request, output in zip(plan.requests, outputs.outputs):
-            for plan_row in request.rows:
-                row = valid[plan_row]
-                if row >= rows:
-                    source, choice, _ = scoring[row - rows]
-                    scores.setdefault(source, {})[choice] = output.logprob
-                else:
-                    results[row] = GenerationResult.of(output, len(request.token_ids))
-        for row, choice_logprobs in scores.items():
-            results[row] = results[row]._replace(choice_logprobs=choice_logprobs)
-        assert all(r is not None for r in results), "every row has a result"
+        results = row_results(prepared, plan, valid, outputs, scoring)
         self.last_stats = RunStats.of(
             plan.stats,
             outputs,
@@ -188,50 +151,18 @@ class LLMOperator:
         )
         return results
 
-    def estimate(
-        self,
-        prompts: Sequence[Prompt],
-        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        sample_rows: int | str = "auto",
-        executors: int = 1,
-        seed: int = 0,
-        recalibrate: bool = False,
-    ):
+    def estimate(self, prompts: Sequence[Prompt], sampling=None, **options):
         """What ``generate(prompts, sampling)`` would cost here, without running it whole:
         an ``llm_operator.estimate.Estimate`` (seconds with a range, rows/s, output tokens,
-        machine-hours on ``executors`` machines like this one, and what it assumed).
-
-        It loads the model, calibrates the backend on this machine once (10-20 s on a
-        2-core CPU, cached per model, backend, dtype and device), generates ``sample_rows``
-        rows spread over the prefix groups for their output lengths, and replays the
-        plan's schedule against the calibrated costs. ``"auto"``: 4 rows, one per prefix
-        group in turn, then more while the sample costs at most 5% of the job (at most 2%
-        of the rows, or 64); none when output lengths barely move its time; 0: none,
-        every row then runs to its max_tokens. Rows with ``ignore_eos`` need no sample. ``seconds`` excludes loading
-        the model (``load_seconds`` says what that took here)."""
+        machine-hours on ``executors`` machines like this one, and what it assumed). It
+        loads the model, calibrates the backend here once (cached), generates a few
+        sample rows for their output lengths and replays the plan's schedule against the
+        calibrated costs. Options (``llm_operator.estimate.estimate``): ``sample_rows``
+        ("auto": 4 rows, then more while the sample costs at most 5% of the job; 0: none),
+        ``executors`` (1), ``seed`` (0), ``recalibrate`` (False)."""
         from llm_operator.estimate import estimate
 
-        return estimate(
-            self,
-            prompts,
-            sampling,
-            sample_rows=sample_rows,
-            executors=executors,
-            seed=seed,
-            recalibrate=recalibrate,
-        )
-
-    def _scoring_rows(self, prepared: PreparedPrompts) -> list[tuple[int, str, tuple[int, ...]]]:
-        """(input row, choice, the choice's tokens) for each choice of each valid row that
-        asks for choices and logprobs."""
-        scoring = []
-        for row, (ids, p) in enumerate(zip(prepared.token_ids, prepared.params)):
-            if ids is not None and p.choices is not None and p.logprobs:
-                trie = self.constraints().trie(p.choices)
-                tokens = self.constraints().choice_tokens(p.choices)
-                scoring.extend((row, choice, tuple(t)) for choice, t in zip(trie.choices, tokens))
-        return scoring
+        return estimate(self, prompts, sampling, **options)
 
     def _plan(self, token_ids, params, scoring_from: int | None = None) -> tuple[Plan, list[int]]:
         """The plan over the valid rows, and the input row of each plan row (rows from

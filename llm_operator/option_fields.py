@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-BACKENDS = ("auto", "hf", "native", "vllm")
+BACKENDS = ("auto", "hf", "native", "vllm", "openai")
 SAME: Any = object()  # an option whose command-line default is its default
 METADATA_KEY = "option"
 
@@ -59,12 +59,13 @@ def option(
     cli_type: Callable[[str], Any] | None = None,
     choices: tuple[str, ...] | None = None,
     cli_default: Any = SAME,
+    repr: bool = True,  # noqa: A002 - dataclasses.field's name
 ) -> T:
     """A dataclass field for one option: ``name: type = option(default, doc=..., check=...)``.
 
     Typed as its default (a field of that default, for type checkers and editors)."""
     spec = OptionSpec(doc, check, cli, cli_type, choices, cli_default)
-    field: Any = dataclasses.field(default=default, metadata={METADATA_KEY: spec})
+    field: Any = dataclasses.field(default=default, repr=repr, metadata={METADATA_KEY: spec})
     return field
 
 
@@ -161,6 +162,13 @@ def non_negative(name: str, value: Any) -> float:
     if not math.isfinite(number(name, value)) or value < 0:
         raise ValueError(f"{name} must be >= 0, got {value!r}")
     return value
+
+
+def positive_number(name: str, value: Any) -> float:
+    """A finite number > 0 (a timeout in seconds)."""
+    if not math.isfinite(number(name, value)) or value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    return float(value)
 
 
 def probability_mass(name: str, value: Any) -> float:

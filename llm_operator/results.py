@@ -80,6 +80,11 @@ class RunStats:
     generate_seconds: float = 0.0
     seconds: float = 0.0
     backend: str = ""
+    # a model server's own counts (backend openai; 0 elsewhere): the prompt tokens it was
+    # sent, those its prefix cache held, the tokens it generated
+    server_prompt_tokens: int = 0
+    server_cached_tokens: int = 0
+    server_completion_tokens: int = 0
 
     @classmethod
     def of(cls, plan_stats, outputs, results, **timings) -> RunStats:
@@ -97,6 +102,7 @@ class RunStats:
             groups=plan_stats.groups,
             saving_ratio=plan_stats.saving_ratio,
             plan_seconds=plan_stats.seconds,
+            **{f"server_{name}": count for name, count in (outputs.usage or {}).items()},
             **timings,
         )
 

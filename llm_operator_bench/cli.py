@@ -35,7 +35,17 @@ def add_commands(commands, add_model_option: Callable[[argparse.ArgumentParser],
         "target",
         nargs="?",
         default="systems",
-        choices=["systems", "planner", "fields", "decode", "estimate", "gpu", "host", "repro"],
+        choices=[
+            "systems",
+            "planner",
+            "fields",
+            "decode",
+            "estimate",
+            "gpu",
+            "host",
+            "repro",
+            "server",
+        ],
         help="systems (default), planner, fields (field order and dedupe through Spark "
         "local: --tables, --repeat), or decode (decode steps against the floor: "
         "--batch-rows, --prefix-tokens, --dtypes, --decode-tokens, --repeat), or estimate "
@@ -49,7 +59,21 @@ def add_commands(commands, add_model_option: Callable[[argparse.ArgumentParser],
         "tokens in 4 partitions, one at a time, deduplicated and in a second process as in "
         "one call, for the native backend (deterministic off and on) and hf: --systems, "
         "--dtypes, --jobs, "
-        "--rows (default 200), --single-rows)",
+        "--rows (default 200), --single-rows), or server (a vLLM server fed through Spark "
+        "local[2] in plan order against the table's order: --jobs, --rows (default 160), "
+        "--repeat (default 2), --cache-gibs, --concurrency, --faults)",
+    )
+    bench.add_argument(
+        "--cache-gibs", default="0.15,2", help="server: the server's KV cache sizes (GiB)"
+    )
+    bench.add_argument(
+        "--concurrency", type=int, default=16, help="server: requests in flight per worker"
+    )
+    bench.add_argument(
+        "--faults",
+        type=float,
+        default=0.1,
+        help="server: the fraction of requests failing once in the fault run (0: none)",
     )
     add_model_option(bench)
     bench.add_argument(
@@ -259,6 +283,22 @@ def command_bench(args) -> int:
             single_rows=args.single_rows,
             out=args.out,
             name=args.name or "bench-repro",
+        )
+        return 0
+    if args.target == "server":
+        from llm_operator_bench.server_bench import JOBS as SERVER_JOBS
+        from llm_operator_bench.server_bench import run_server_bench
+
+        run_server_bench(
+            model=args.model,
+            jobs=_names(args.jobs) or list(SERVER_JOBS),
+            rows=args.rows or 160,
+            repeat=args.repeat or 2,
+            cache_gib=[float(x) for x in _names(args.cache_gibs)],
+            concurrency=args.concurrency,
+            faults=args.faults,
+            out=args.out,
+            name=args.name or "bench-server",
         )
         return 0
     if args.target == "estimate":

@@ -67,10 +67,20 @@ EXCLUSIVE = {
     "regex": "(yes|no)",
     "json_schema": {"type": "object", "properties": {"ok": {"type": "boolean"}}},
 }
-VARIANTS = [PROBES] + [
-    {**{k: v for k, v in PROBES.items() if k != "choices"}, name: value}
-    for name, value in EXCLUSIVE.items()
-]
+# a model server's options: with backend "openai" only (base_url with another is an error)
+SERVER = {
+    "backend": "openai", "base_url": "http://127.0.0.1:9/v1", "api_key": "sk-probe",
+    "server_model": "probe", "api": "chat", "max_concurrency": 5, "request_order": "table",
+    "request_timeout": 12.5, "max_retries": 2,
+}  # fmt: skip
+VARIANTS = (
+    [PROBES]
+    + [
+        {**{k: v for k, v in PROBES.items() if k != "choices"}, name: value}
+        for name, value in EXCLUSIVE.items()
+    ]
+    + [{**PROBES, **SERVER}]
+)
 
 
 # Every option's default, written out: the fields' defaults must not drift.
@@ -83,7 +93,9 @@ DEFAULTS = {
         "deterministic": None, "trust_remote_code": False,
         "progress": False,
         "cache_dir": None, "revision": None, "gpu_share": None, "tensor_parallel_size": None,
-        "pipeline_parallel_size": None, "vllm_options": (),
+        "pipeline_parallel_size": None, "vllm_options": (), "base_url": None,
+        "api_key": None, "server_model": None, "api": "auto", "max_concurrency": 32,
+        "request_order": "plan", "request_timeout": 600.0, "max_retries": 6,
     },
     SamplingParams: {
         "max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "stop": (),
@@ -167,8 +179,8 @@ def test_a_backend_reads_its_settings_from_the_config_it_is_given(tiny_llama_dir
 
 def test_every_option_has_a_probe_value_other_than_its_default() -> None:
     table = {name: value for variant in TABLE_VARIANTS for name, value in variant.items()}
-    assert set(PROBES) | set(EXCLUSIVE) | set(table) == set(option_table.BY_NAME)
-    for name, value in {**PROBES, **EXCLUSIVE, **table}.items():
+    assert set(PROBES) | set(EXCLUSIVE) | set(SERVER) | set(table) == set(option_table.BY_NAME)
+    for name, value in {**PROBES, **EXCLUSIVE, **SERVER, **table}.items():
         assert value != option_table.BY_NAME[name].default, name
 
 
@@ -314,7 +326,7 @@ def _dask_frame():
     return dd.from_pandas(pd.DataFrame({"prompt": ["a", "b"]}), npartitions=1)
 
 
-@pytest.mark.parametrize("probes", VARIANTS, ids=["choices", "regex", "json_schema"])
+@pytest.mark.parametrize("probes", VARIANTS, ids=["choices", "regex", "json_schema", "server"])
 def test_spark_and_dask_llm_infer_take_every_option(
     monkeypatch, tiny_llama_dir, spark, probes
 ) -> None:
@@ -357,7 +369,7 @@ def _cli_arguments(probes: dict, folder: Path) -> list[str]:
 @pytest.mark.parametrize(
     "engine, probes",
     [("local", v) for v in VARIANTS] + [("spark", PROBES), ("dask", PROBES)],
-    ids=["local-choices", "local-regex", "local-json_schema", "spark", "dask"],
+    ids=["local-choices", "local-regex", "local-json_schema", "local-server", "spark", "dask"],
 )
 def test_the_cli_passes_every_option_to_every_engine(
     engine, probes, monkeypatch, tiny_llama_dir, tmp_path, request

@@ -83,8 +83,9 @@ class Checkpoint:
         first, so that a part never exists without it."""
         assert len(results) == end - start, f"chunk {start}-{end}: {len(results)} results"
         stats = self._stats(start, end)
-        if computed is not None:
-            _write_atomically(stats, json.dumps(list(computed)))
+        if computed is not None:  # a model server's counts (a 4th item) flattened
+            flat = [*computed[:3], *(computed[3] if len(computed) > 3 else ())]
+            _write_atomically(stats, json.dumps(flat))
         elif stats.exists():  # from an attempt that did not finish: not this part's
             stats.unlink()
         lines = [
@@ -96,17 +97,18 @@ class Checkpoint:
     def _stats(self, start: int, end: int) -> Path:
         return self.folder / f"stats-{start:010d}-{end:010d}.json"
 
-    def computed(self) -> tuple[int, int, float] | None:
-        """Prefill tokens, output tokens and generate seconds summed over every finished
-        chunk (of this run and earlier ones), or None when a chunk's are unknown."""
-        totals = [0, 0, 0.0]
+    def computed(self) -> tuple[int, int, float, tuple[int, ...]] | None:
+        """Prefill tokens, output tokens, generate seconds and a model server's (prompt,
+        cached, output) tokens summed over every finished chunk (of this run and earlier
+        ones), or None when a chunk's are unknown."""
+        totals = [0, 0, 0.0, 0, 0, 0]
         for start, end in self.chunks():
             stats = self._stats(start, end)
             if not (self._part(start, end).exists() and stats.exists()):
                 return None
             for i, value in enumerate(json.loads(stats.read_text())):
                 totals[i] += value
-        return int(totals[0]), int(totals[1]), float(totals[2])
+        return int(totals[0]), int(totals[1]), float(totals[2]), tuple(map(int, totals[3:]))
 
     def results(self) -> list[GenerationResult]:
         """Every row's result, in input order, from the parts (all chunks must be done)."""

@@ -332,6 +332,7 @@ class Computed(NamedTuple):
     prefill_tokens: int
     output_tokens: int
     generate_seconds: float
+    server: tuple[int, int, int] = (0, 0, 0)  # a model server's prompt, cached, output tokens
 
 
 def summary(results: list, seconds: float, engine: str, computed: Computed | None) -> str:
@@ -356,13 +357,26 @@ def summary(results: list, seconds: float, engine: str, computed: Computed | Non
     line += f", {output_tokens:,} output tokens"
     if computed is not None and computed.generate_seconds > 0:
         line += f" ({computed.output_tokens / computed.generate_seconds:.1f}/s)"
+    if computed is not None and computed.server[0]:
+        sent, cached, generated = computed.server
+        line += (
+            f"; model server: {sent:,} prompt tokens, {cached:,} from its prefix cache "
+            f"({cached / sent:.1%}), {generated:,} generated"
+        )
     return line
 
 
 def _computed(stats) -> Computed | None:
     if stats is None:
         return None
-    return Computed(stats.prefill_tokens_computed, stats.output_tokens, stats.generate_seconds)
+    server = (
+        stats.server_prompt_tokens,
+        stats.server_cached_tokens,
+        stats.server_completion_tokens,
+    )
+    return Computed(
+        stats.prefill_tokens_computed, stats.output_tokens, stats.generate_seconds, server
+    )
 
 
 def _engine_arguments(args) -> dict[str, Any]:

@@ -30,6 +30,8 @@ class BackendResult(NamedTuple):
     outputs: list[RequestOutput]  # indexed by request_id
     prefill_tokens_computed: int  # prompt tokens run through the model (no padding)
     output_tokens: int
+    # a model server's counts (backend openai): prompt_tokens, cached_tokens, completion_tokens
+    usage: dict[str, int] | None = None
 
 
 # progress(finished_rows, new_output_tokens): rows are input rows (a merged request counts each)

@@ -383,6 +383,15 @@ class Constraints:
         self._grammars: dict[tuple[str, str], object] = {}
         self._compiler = None
 
+    @classmethod
+    def for_model(cls, tokenizer, model_info, *, jump_forward: str = "tokens") -> Constraints:
+        """Constraints for a model (``models.info.ModelInfo``): its logits' width (the
+        text config's vocab_size, else the tokenizer's) and end-of-sequence ids."""
+        config = model_info.config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        vocab_size = getattr(text, "vocab_size", None) or len(tokenizer)
+        return cls(tokenizer, vocab_size, model_info.eos_token_ids, jump_forward=jump_forward)
+
     def start(self, params, *, ignore_eos: bool = False):
         """A row's constraint state, or None for an unconstrained row."""
         constraint = params.constraint

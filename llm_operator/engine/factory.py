@@ -61,6 +61,10 @@ def build_backend(config: EngineConfig, info: ModelInfo, tokenizer):
             "token_batching=False is an ablation of the native backend; the "
             f"{name} backend (chosen here: backend={config.backend!r}) always re-batches"
         )
+    if name == "openai":
+        from llm_operator.engine.openai.backend import OpenAIBackend
+
+        return OpenAIBackend(config, tokenizer, max_context=info.max_context)
     if name == "vllm":
         from llm_operator.engine.vllm.backend import VLLMBackend
 

@@ -124,6 +124,9 @@ class Run:
         self.prefill_tokens = 0  # prompt tokens run through the model (backends add to it)
         self.output_tokens = 0
         self.forced_tokens = 0  # output tokens appended without sampling (jump-forward)
+        self.usage: dict[str, int] | None = None  # a model server's token counts (openai)
+        # the prompt each planned request came from (a backend sending messages reads them)
+        self.sources: Sequence | None = None
 
     @property
     def done(self) -> bool:
@@ -283,7 +286,7 @@ class Run:
         unanswered = [r.request_id for r in self.requests if r.output is None]
         assert not unanswered, f"requests {unanswered[:10]} have no output"
         return BackendResult(
-            [r.output for r in self.requests], self.prefill_tokens, self.output_tokens
+            [r.output for r in self.requests], self.prefill_tokens, self.output_tokens, self.usage
         )
 
     def _set(self, request: Request, output: RequestOutput, *, new_tokens: int) -> None:

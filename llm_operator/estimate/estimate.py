@@ -351,6 +351,11 @@ def estimate(
     log=None,
 ) -> Estimate:
     """Predict what ``op.generate(prompts, sampling)`` costs (``LLMOperator.estimate``)."""
+    if op.backend_name == "openai":
+        raise ValueError(
+            'estimate calibrates the engine on this machine; backend="openai" runs on a '
+            "model server whose speed it cannot measure here: time a sample of rows instead"
+        )
     check_options(sample_rows, executors)
     started = time.perf_counter()
     planned = plan_prompts(op, prompts, sampling)

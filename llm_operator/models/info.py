@@ -74,3 +74,16 @@ def _native_unsupported(config, max_context: int) -> str | None:
             f"{native.sliding_window} < context {max_context}); use backend='hf'"
         )
     return None
+
+
+def open_model(model, config) -> tuple[Any, Any, ModelInfo]:
+    """(the resolved model, its tokenizer, its ``ModelInfo``) for ``LLMOperator(model)``
+    under an ``EngineConfig``: its cache_dir, revision and trust_remote_code."""
+    from llm_operator.models import load_tokenizer, resolve_model
+
+    trust = config.trust_remote_code
+    resolved = resolve_model(
+        model, cache_dir=config.cache_dir, trust_remote_code=trust, revision=config.revision
+    )
+    tokenizer = load_tokenizer(resolved.path, trust_remote_code=trust)
+    return resolved, tokenizer, read_model_info(resolved.path, tokenizer, trust_remote_code=trust)

@@ -20,14 +20,9 @@ every vLLM request (scoring ones included).
 
 Constraints and logprobs (``driver`` says how each maps to vLLM):
 
-- A constrained row's completion is vLLM's, read as hf/native read theirs: where the
-  constraint left nothing but the end before vLLM's final end-of-sequence token (a whole
-  choice, a complete JSON value), that token is dropped, as hf/native end such a row
-  without a step (``token_ids`` and ``logprob`` then match theirs). vLLM's choice grammar
-  allows any tokenization of a choice string: a row vLLM ended ("stop") whose text is a
-  choice is that choice even when its tokens are not the choice's canonical ones (which
-  the ``Run``'s trie follows), and its end token is dropped when no other choice extends
-  that text (vLLM's grammar then allowed nothing else).
+- A constrained row's completion is vLLM's, read as hf/native read theirs
+  (``engine.completions.read_completion``: the end token after a decided constraint
+  dropped, a choice read from vLLM's text in any tokenization).
 - ``logprobs``: an unconstrained row sums vLLM's sampled-token log-probabilities; a
   constrained row, whose vLLM log-probabilities are renormalized under its mask, is
   scored once it ends: a second request (prompt + its tokens, within the footprint its
@@ -54,6 +49,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from llm_operator.config import EngineConfig
+from llm_operator.engine.completions import read_completion
 from llm_operator.engine.run import Request, Run
 from llm_operator.engine.vllm.driver import (
     HOW_TO_GET_VLLM,
@@ -343,7 +339,9 @@ class _Steps:
 
     def _generated(self, flight: _Flight, request: Request, completion) -> bool:
         """Answer a generated row; False when it waits for its score (module doc)."""
-        tokens, reason, text = self._completion(request, completion)
+        tokens, reason, text = read_completion(
+            self.run, request, completion.token_ids, completion.finish_reason, completion.text
+        )
         logprob = None
         if request.params.logprobs and request.constraint is None:
             entries = completion.logprobs  # per token: {token: its Logprob}
@@ -370,41 +368,6 @@ class _Steps:
             self.run.replay(flight.request_id, *scoring.completion, logprob)
         return True
 
-    def _completion(self, request: Request, completion) -> tuple[list[int], str, str]:
-        """(tokens, finish reason, text) of a generated row for ``run.replay``: a
-        constrained row without the end-of-sequence token hf/native would not have
-        spent a step on, and a choice read from vLLM's text (module doc)."""
-        tokens = list(completion.token_ids)
-        reason = completion.finish_reason
-        constraint = request.constraint
-        if constraint is not None and reason == "stop" and not request.params.stop:
-            ended = bool(tokens) and tokens[-1] in request.decoder.eos_token_ids
-            body = tokens[:-1] if ended else tokens
-            only_end = ended and _ends_after(constraint, body)
-            if constraint.kind == "choices":
-                choices = constraint.trie.choices
-                text = self.run.tokenizer.decode(body, skip_special_tokens=True)
-                if text in choices:  # vLLM ended it: a whole choice, in any tokenization
-                    constraint.choose(choices.index(text))
-                    # vLLM's grammar too allows only the end after a choice no other extends
-                    only_end = ended and (
-                        only_end or not any(c != text and c.startswith(text) for c in choices)
-                    )
-            if only_end:
-                tokens = body
-        return tokens, reason, self._text(request, completion, tokens)
-
-    def _text(self, request: Request, completion, tokens: list[int]) -> str:
-        """The completion's text, which ``run.replay`` keeps when vLLM stopped before our
-        rules end the row (its own EOS ids, ``max_model_len``, a constraint's end): vLLM's
-        for rows with stop strings (it detokenized them), else decoded here, and only then."""
-        if request.params.stop:
-            return completion.text
-        decoder = request.decoder
-        if len(tokens) >= decoder.max_tokens or not decoder.eos_token_ids.isdisjoint(tokens):
-            return ""  # our rules end it: replay takes the decoder's text
-        return self.run.tokenizer.decode(tokens, skip_special_tokens=True)
-
     def _member_done(self, group_id: int) -> None:
         group = self.in_flight[group_id]
         group.running -= 1
@@ -414,13 +377,3 @@ class _Steps:
     def _end(self, group: _Group) -> None:
         del self.in_flight[group.group_id]
         self.used_blocks -= group.blocks
-
-
-def _ends_after(constraint, tokens: Sequence[int]) -> bool:
-    """Whether ``constraint`` (a row's ``constraints`` state, not yet fed), after
-    ``tokens``, leaves nothing but the end: hf/native end the row there without a step.
-    Walks a copy; the row's own state is fed by ``run.replay``."""
-    probe = constraint.fork()
-    for token in tokens:
-        probe.accept(token)
-    return probe.remaining() == []

@@ -1,0 +1,1 @@
+"""The ``openai`` backend: an OpenAI-compatible model server fed in plan order."""

@@ -1,0 +1,256 @@
+"""HTTP to an OpenAI-compatible server: the probe before a job, and one request with retries.
+
+Every request of a run goes through ``Endpoint.post``, a coroutine run on the endpoint's
+own event loop (a daemon thread, so a caller on any thread, such as a Spark task's, steps
+the run while requests are in flight):
+
+- 429, 500, 502, 503, 504, a timeout or a dropped connection: retried up to
+  ``max_retries`` times, after an exponential backoff with full jitter (0.5 s doubling,
+  at most 30 s), or the server's ``Retry-After`` when it sends one;
+- another status, or the last failure: ``RequestFailed`` naming the status and the
+  server's message (the row's error), after which nothing else is retried for it.
+
+``probe`` runs before a job: an unreachable server, a refused key or a model the server
+does not serve fails there, with the address and what the server lists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import random
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
+from typing import Any, NamedTuple
+
+import httpx
+
+RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
+BACKOFF_BASE_SECONDS = 0.5
+BACKOFF_CAP_SECONDS = 30.0
+PROBE_TIMEOUT_SECONDS = 15.0
+
+
+class RequestFailed(Exception):
+    """A request the server did not answer, after its retries: the row's error."""
+
+
+class Served(NamedTuple):
+    """What the probe learnt: the model name to send, and the server's kind ("vllm" when
+    it owns the model, which accepts vLLM's extra fields; else "openai")."""
+
+    model: str
+    kind: str
+    models: tuple[str, ...]
+
+
+class Endpoint:
+    """One server: an ``httpx.AsyncClient`` on an event loop of its own."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None,
+        *,
+        timeout: float,
+        max_retries: int,
+        max_connections: int,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.max_retries = max_retries
+        self.retries = 0  # retried attempts over this endpoint's life
+        self.failures: dict[str, int] = {}  # retried failures by kind ("429", "timeout", ...)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=None)
+
+        async def make() -> httpx.AsyncClient:
+            return httpx.AsyncClient(
+                base_url=self.base_url,
+                headers=headers,
+                timeout=httpx.Timeout(timeout, connect=min(timeout, 30.0)),
+                limits=limits,
+            )
+
+        self._client = self.run(make()).result()
+
+    # -- threads -----------------------------------------------------------------------
+    def run(self, coroutine: Coroutine) -> Future:
+        """Schedule ``coroutine`` on the endpoint's loop; a concurrent Future of its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self.run(self._client.aclose()).result(timeout=10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._loop.close()
+
+    # -- the probe ---------------------------------------------------------------------
+    def probe(self, model: str | None) -> Served:
+        """The served model to send (``model``, or the only one the server lists) and the
+        server's kind; ValueError / ConnectionError saying what is wrong."""
+        return self.run(self._probe(model)).result()
+
+    async def _probe(self, model: str | None) -> Served:
+        try:
+            response = await self._client.get("/models", timeout=PROBE_TIMEOUT_SECONDS)
+        except httpx.HTTPError as error:
+            raise ConnectionError(
+                f"cannot reach the model server at {self.base_url} ({type(error).__name__}: "
+                f"{error}); is it running, and is base_url its API root (such as "
+                "http://host:8000/v1)?"
+            ) from None
+        if response.status_code in (401, 403):
+            raise PermissionError(
+                f"the model server at {self.base_url} refused the API key (HTTP "
+                f"{response.status_code}: {_message(response)}); set api_key or OPENAI_API_KEY"
+            )
+        if response.status_code != 200:
+            raise ConnectionError(
+                f"the model server at {self.base_url} answered GET /models with HTTP "
+                f"{response.status_code}: {_message(response)}"
+            )
+        try:
+            listed = response.json()["data"]
+            names = tuple(str(entry["id"]) for entry in listed)
+            owners = {str(entry["id"]): str(entry.get("owned_by", "")) for entry in listed}
+        except (ValueError, KeyError, TypeError):
+            raise ConnectionError(
+                f"{self.base_url}/models is not an OpenAI model list: {response.text[:200]!r}"
+            ) from None
+        if model is None:
+            if len(names) != 1:
+                raise ValueError(
+                    f"the model server at {self.base_url} serves {list(names)}; name one "
+                    "with server_model"
+                )
+            model = names[0]
+        elif model not in owners:
+            raise ValueError(
+                f"server_model={model!r} is not served at {self.base_url}; it serves {list(names)}"
+            )
+        return Served(model, "vllm" if owners[model] == "vllm" else "openai", names)
+
+    def cache_tokens(self) -> int | None:
+        """The tokens the server's KV cache holds, from a vLLM server's ``/metrics``
+        (``vllm:cache_config_info``); None where the server does not say."""
+        return self.run(self._cache_tokens()).result()
+
+    async def _cache_tokens(self) -> int | None:
+        root = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
+        try:
+            response = await self._client.get(f"{root}/metrics", timeout=PROBE_TIMEOUT_SECONDS)
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            return None
+        return cache_tokens_of(response.text)
+
+    # -- one request -------------------------------------------------------------------
+    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST ``body`` (JSON) to ``path`` with the retry policy (module doc); the answer's
+        JSON, or RequestFailed."""
+        attempt = 0
+        while True:
+            failure, wait = await self._attempt(path, body)
+            if isinstance(failure, dict):
+                return failure
+            kind, message, retryable = failure
+            if not retryable or attempt >= self.max_retries:
+                tries = f" after {attempt + 1} tries" if attempt else ""
+                raise RequestFailed(f"model server: {message}{tries}")
+            self.retries += 1
+            self.failures[kind] = self.failures.get(kind, 0) + 1
+            backoff = random.uniform(0, min(BACKOFF_CAP_SECONDS, BACKOFF_BASE_SECONDS * 2**attempt))
+            await asyncio.sleep(wait if wait is not None else backoff)
+            attempt += 1
+
+    async def _attempt(self, path: str, body: dict[str, Any]):
+        """One try: the answer's JSON, or ((kind, message, retryable), Retry-After seconds)."""
+        try:
+            response = await self._client.post(path, json=body)
+        except httpx.TimeoutException as error:
+            return ("timeout", f"timed out ({type(error).__name__})", True), None
+        except httpx.TransportError as error:  # refused, reset, dropped mid-answer
+            return (
+                "connection",
+                f"connection failed ({type(error).__name__}: {error})",
+                True,
+            ), None
+        status = response.status_code
+        if status == 200:
+            try:
+                return response.json(), None
+            except ValueError:
+                return (
+                    "body",
+                    f"HTTP 200 with a body that is not JSON: {response.text[:200]!r}",
+                    True,
+                ), None
+        message = f"HTTP {status}: {_message(response)}"
+        return (str(status), message, status in RETRY_STATUSES), retry_after(response)
+
+
+def cache_tokens_of(metrics: str) -> int | None:
+    """The KV cache size in tokens from vLLM's Prometheus text (the labels of
+    ``vllm:cache_config_info``: ``kv_cache_size_tokens``, else blocks x block size)."""
+    import re
+
+    for line in metrics.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            try:
+                if labels.get("kv_cache_size_tokens", "None") != "None":
+                    return int(labels["kv_cache_size_tokens"])
+                return int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+            except (KeyError, ValueError):
+                return None
+    return None
+
+
+def retry_after(response: httpx.Response) -> float | None:
+    """The seconds a ``Retry-After`` header asks for (delta seconds or an HTTP date,
+    at most 120), else None."""
+    value = response.headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            seconds = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
+        except (TypeError, ValueError):
+            return None
+    return min(max(seconds, 0.0), 120.0)
+
+
+def _message(response: httpx.Response) -> str:
+    """The server's error message (OpenAI's ``{"error": {"message": ...}}`` or vLLM's
+    ``{"message": ...}``), else the body's start."""
+    try:
+        data = response.json()
+    except ValueError:
+        return response.text[:300].strip() or response.reason_phrase
+    if isinstance(data, dict):
+        error = data.get("error", data)
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])[:500]
+        if isinstance(error, str):
+            return error[:500]
+    return json.dumps(data)[:300]
+
+
+def gather_into(endpoint: Endpoint, coroutine: Coroutine, done: Callable[[Future], None]) -> Future:
+    """Run ``coroutine`` on the endpoint's loop and call ``done(future)`` when it ends."""
+    future = endpoint.run(coroutine)
+    future.add_done_callback(done)
+    return future
