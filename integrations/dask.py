@@ -45,6 +45,7 @@ from llm_operator.integrations.partition import (
     _is_missing,
     build_partitioner,
     check_prompt_source,
+    check_server,
     logger,
     make_options,
     result_records,
@@ -159,6 +160,7 @@ def llm_infer(
         value_type = ANY  # each row's own schema: the parsed JSON as it is
     columns = result_columns(output, value_type is not None)
     check_prompt_source(col, options)
+    check_server(options)  # backend "openai": the server answers, with that model
     if options.table is not None:
         if not isinstance(ddf, dd.DataFrame):
             raise TypeError(f"ddf must be a dask.dataframe.DataFrame, got {type(ddf).__name__}")

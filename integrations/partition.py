@@ -77,6 +77,28 @@ class InferOptions:
         return as_chat(values, chat=self.chat, system=self.system, chat_template=chat_template)
 
 
+def check_server(options: InferOptions) -> None:
+    """With ``backend="openai"``: reach the model server from the driver, before any job,
+    so an unreachable server, a refused key or a model it does not serve fails here
+    (``engine.openai.client.Endpoint.probe``) rather than in every task."""
+    engine = options.engine
+    if engine.backend != "openai":
+        return
+    from llm_operator.engine.openai.client import Endpoint
+
+    endpoint = Endpoint(
+        engine.base_url,
+        engine.api_key or os.environ.get("OPENAI_API_KEY"),
+        timeout=min(engine.request_timeout, 30.0),
+        max_retries=0,
+        max_connections=1,
+    )
+    try:
+        endpoint.probe(engine.server_model)
+    finally:
+        endpoint.close()
+
+
 def make_options(
     *,
     model: Any,

@@ -52,6 +52,7 @@ from llm_operator.integrations.partition import (
     _is_missing,
     build_partitioner,
     check_prompt_source,
+    check_server,
     logger,
     make_options,
     result_records,
@@ -180,6 +181,7 @@ def llm_infer(
     column = _prompt_source(col, options)
     prompt_name = col if isinstance(col, str) else None  # named in a worker's type error
     check_worker_python()
+    check_server(options)  # backend "openai": the server answers, with that model
     if options.reorder_fields:
         raise ValueError(
             "reorder_fields needs the whole DataFrame's statistics: use "

@@ -60,11 +60,17 @@ def add_commands(commands, add_model_option: Callable[[argparse.ArgumentParser],
         "one call, for the native backend (deterministic off and on) and hf: --systems, "
         "--dtypes, --jobs, "
         "--rows (default 200), --single-rows), or server (a vLLM server fed through Spark "
-        "local[2] in plan order against the table's order: --jobs, --rows (default 160), "
+        "local[2] in plan order against the table's order: --jobs, --rows (default 96), "
         "--repeat (default 2), --cache-gibs, --concurrency, --faults)",
     )
     bench.add_argument(
         "--cache-gibs", default="0.15,2", help="server: the server's KV cache sizes (GiB)"
+    )
+    bench.add_argument(
+        "--movielens-rows", type=int, help="server: rows of the movielens job (default --rows)"
+    )
+    bench.add_argument(
+        "--movielens-films", type=int, default=20, help="server: films the ratings come from"
     )
     bench.add_argument(
         "--concurrency", type=int, default=16, help="server: requests in flight per worker"
@@ -292,7 +298,9 @@ def command_bench(args) -> int:
         run_server_bench(
             model=args.model,
             jobs=_names(args.jobs) or list(SERVER_JOBS),
-            rows=args.rows or 160,
+            rows=args.rows or 96,
+            movielens_rows=args.movielens_rows,
+            movielens_films=args.movielens_films,
             repeat=args.repeat or 2,
             cache_gib=[float(x) for x in _names(args.cache_gibs)],
             concurrency=args.concurrency,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -174,3 +175,16 @@ def chat_wrapped(prompts):
     from llm_operator.prompts.encode import as_chat
 
     return as_chat(list(prompts), chat=True)
+
+
+MODE = "SPARK_CONNECT_MODE_ENABLED"  # PySpark builds Connect expressions while it is set
+
+
+@contextlib.contextmanager
+def connect_mode():
+    """PySpark's functions build Connect expressions inside, classic ones outside."""
+    os.environ[MODE] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(MODE, None)

@@ -101,3 +101,12 @@ def test_setup_cfg_lists_every_package() -> None:
             parts = init.parent.relative_to(root / folder).parts
             found.add(".".join((name, *parts)))
     assert found - listed == set(), f"setup.cfg [options] packages misses {sorted(found - listed)}"
+
+
+def test_the_operator_stays_a_coordinator() -> None:
+    """``LLMOperator`` plans, runs a backend and assembles rows; backends live behind
+    ``engine.factory`` and the contract of ``engine.base`` (issue 31: at most 200 lines)."""
+    source = (ROOT / "llm_operator" / "operator.py").read_text()
+    assert len(source.splitlines()) <= 200
+    for backend in ("openai", "native", "hf.backend", "NativeBackend", "HFBackend", "httpx"):
+        assert backend not in source, backend

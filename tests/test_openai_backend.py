@@ -170,11 +170,16 @@ def test_plan_order_sends_a_group_s_first_row_alone_and_table_order_the_table_s(
     events: list[tuple[str, float, tuple]] = []
     post = Endpoint.post
 
-    async def recorded(self, path, body):
+    async def recorded(self, path, body, first=None):
         key = tuple(body["prompt"])
         events.append(("sent", time.perf_counter(), key))
+
+        def first_chunk() -> None:
+            events.append(("first token", time.perf_counter(), key))
+            first()
+
         try:
-            return await post(self, path, body)
+            return await post(self, path, body, None if first is None else first_chunk)
         finally:
             events.append(("answered", time.perf_counter(), key))
 
@@ -185,12 +190,13 @@ def test_plan_order_sends_a_group_s_first_row_alone_and_table_order_the_table_s(
         plan = plan_op.plan(PROMPTS, params)
         plan_op.generate(PROMPTS, params)
         sent = {key: t for kind, t, key in events if kind == "sent"}
-        answered = {key: t for kind, t, key in events if kind == "answered"}
+        token = {key: t for kind, t, key in events if kind == "first token"}
         grouped = [g for g in plan.groups if g.prefix_length > 0 and len(g.request_ids) > 1]
         assert len(grouped) == 3
-        for group in grouped:
+        for group in grouped:  # the first row streamed; the rest after its first token
             first, *rest = (tuple(plan.requests[i].token_ids) for i in group.request_ids)
-            assert all(answered[first] <= sent[key] for key in rest)
+            assert all(token[first] <= sent[key] for key in rest)
+        assert len(token) == 3  # only groups' first rows stream
         # new groups start in the plan's order
         firsts = [tuple(plan.requests[g.request_ids[0]].token_ids) for g in grouped]
         assert [sent[key] for key in firsts] == sorted(sent[key] for key in firsts)

@@ -333,6 +333,9 @@ def test_spark_and_dask_llm_infer_take_every_option(
     from llm_operator.integrations import dask, spark
 
     seen = _spy(monkeypatch, after_calls=99)
+    probed = []  # the driver's probe of a model server (tests/test_openai_requests.py)
+    for module in (spark, dask):
+        monkeypatch.setattr(module, "check_server", probed.append)
     spark.llm_infer("prompt", model=str(tiny_llama_dir), **probes)
     dask.llm_infer(_dask_frame(), "prompt", model=str(tiny_llama_dir), **probes)
     # the older spelling: engine options as one mapping
@@ -340,6 +343,7 @@ def test_spark_and_dask_llm_infer_take_every_option(
     rest = {k: v for k, v in probes.items() if k not in engine}
     spark.llm_infer("prompt", model=str(tiny_llama_dir), engine_options=engine, **rest)
     assert seen == [_expected(tiny_llama_dir, probes)] * 3
+    assert probed == seen  # each call probes with the options it built
 
 
 def _cli_arguments(probes: dict, folder: Path) -> list[str]:

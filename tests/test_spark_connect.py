@@ -11,15 +11,11 @@ process-wide ``SPARK_CONNECT_MODE_ENABLED``, so the Connect half of each test ru
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +23,7 @@ import pytest
 pytest.importorskip("pyspark")
 pytest.importorskip("grpc", reason="the Spark Connect client needs the spark extra's grpcio")
 
-from helpers import REVIEWS, TYPED_SCHEMA, chat_wrapped  # noqa: E402
+from helpers import MODE, REVIEWS, TYPED_SCHEMA, chat_wrapped, connect_mode  # noqa: E402
 from pyspark.sql import Column, DataFrame  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
 
@@ -45,7 +41,6 @@ from llm_operator.integrations.spark import (  # noqa: E402
 from llm_operator.integrations.spark_tables import plan_table  # noqa: E402
 from llm_operator.prompts.table import TablePrompt  # noqa: E402
 
-MODE = "SPARK_CONNECT_MODE_ENABLED"
 FIELDS = [name for name, _ in RESULT_FIELDS]
 CHOICES = ("billing", "shipping", "tech support")
 INSTRUCTIONS = (
@@ -61,87 +56,6 @@ ROWS = [
 ]
 TEMPLATE = "{instruction}\nReview: {review}\nAnswer:"
 MAX_TOKENS = 6
-
-
-@contextlib.contextmanager
-def connect_mode():
-    """PySpark's functions build Connect expressions inside, classic ones outside."""
-    os.environ[MODE] = "1"
-    try:
-        yield
-    finally:
-        os.environ.pop(MODE, None)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _wait_for_port(server: subprocess.Popen, port: int, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            tail = log.read_text(errors="replace")[-3000:]
-            pytest.fail(f"the Spark Connect server exited ({server.returncode}):\n{tail}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return
-        except OSError:
-            time.sleep(0.5)
-    tail = log.read_text(errors="replace")[-3000:]
-    pytest.fail(f"the Spark Connect server did not listen on {port} in {timeout} s:\n{tail}")
-
-
-@pytest.fixture(scope="module")
-def connect_url(tmp_path_factory):
-    """``sc://127.0.0.1:PORT`` of a local Spark Connect server (local[2]) for this module."""
-    if MODE in os.environ or "SPARK_REMOTE" in os.environ:
-        pytest.skip("this process is in Spark Connect mode already: no classic side to compare")
-    import pyspark
-
-    home = Path(pyspark.__file__).resolve().parent
-    script = home / "sbin" / "start-connect-server.sh"
-    if not script.is_file():
-        pytest.skip(f"no {script} in this PySpark")
-    folder = tmp_path_factory.mktemp("connect-server")
-    port = _free_port()
-    env = {
-        **os.environ,
-        "SPARK_HOME": str(home),
-        "SPARK_LOG_DIR": str(folder),
-        "SPARK_PID_DIR": str(folder),
-        "SPARK_LOCAL_IP": "127.0.0.1",
-        "PYSPARK_PYTHON": sys.executable,  # the workers import llm_operator from this venv
-    }
-    settings = {
-        "spark.connect.grpc.binding.address": "127.0.0.1",
-        "spark.connect.grpc.binding.port": str(port),
-        "spark.ui.enabled": "false",
-        "spark.sql.shuffle.partitions": "4",
-        "spark.driver.extraJavaOptions": "-Dlog4j.configurationFile="
-        + spark_session.LOG4J_CONFIG.as_uri(),  # the CLI's quiet logging
-    }
-    command = ["bash", str(script), "--wait", "--master", "local[2]"]
-    for key, value in settings.items():
-        command += ["--conf", f"{key}={value}"]
-    log_path = folder / "server.log"
-    with open(log_path, "wb") as log:
-        # a process group of its own: stopping it stops the JVM and its Python workers
-        server = subprocess.Popen(
-            command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    try:
-        _wait_for_port(server, port, log_path, timeout=240)
-        yield f"sc://127.0.0.1:{port}"
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -12,21 +12,14 @@ one Python worker (the engine is then reused by every later job on that side).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("pyspark")
 
-from helpers import REVIEWS, chat_wrapped  # noqa: E402
+from helpers import REVIEWS, chat_wrapped, connect_mode  # noqa: E402
 from pyspark.ml import Pipeline, PipelineModel  # noqa: E402
 from pyspark.ml.feature import SQLTransformer  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
@@ -46,7 +39,6 @@ FIELDS = [name for name, _ in RESULT_FIELDS]
 ROWS = [(i, review) for i, review in enumerate(REVIEWS[:4])] + [(4, None)]
 ROW_SCHEMA = "id int, review string"
 STATEMENT = "SELECT *, concat('Classify the sentiment: ', review) AS prompt FROM __THIS__"
-MODE = "SPARK_CONNECT_MODE_ENABLED"
 
 
 @pytest.fixture(scope="module")
@@ -281,92 +273,16 @@ def test_pipeline_and_stage_save_load(model_dir, tmp_path, spark):
 
 
 # -- Spark Connect --------------------------------------------------------------------
-@contextlib.contextmanager
-def connect_mode():
-    """PySpark's functions build Connect expressions inside, classic ones outside."""
-    os.environ[MODE] = "1"
-    try:
-        yield
-    finally:
-        os.environ.pop(MODE, None)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def remote(tmp_path_factory):
-    """A Spark Connect session on a local server (local[2]) started for this module."""
-    pytest.importorskip("grpc", reason="the Spark Connect client needs the spark extra's grpcio")
-    if MODE in os.environ or "SPARK_REMOTE" in os.environ:
-        pytest.skip("this process is in Spark Connect mode already: no classic side")
-    import pyspark
+def remote(connect_url):
+    """A Spark Connect session on the suite's local Connect server (conftest)."""
     from pyspark.sql.connect.session import SparkSession as RemoteSparkSession
 
-    from llm_operator.integrations import spark_session
-
-    home = Path(pyspark.__file__).resolve().parent
-    script = home / "sbin" / "start-connect-server.sh"
-    if not script.is_file():
-        pytest.skip(f"no {script} in this PySpark")
-    folder = tmp_path_factory.mktemp("connect-server")
-    port = _free_port()
-    env = {
-        **os.environ,
-        "SPARK_HOME": str(home),
-        "SPARK_LOG_DIR": str(folder),
-        "SPARK_PID_DIR": str(folder),
-        "SPARK_LOCAL_IP": "127.0.0.1",
-        "PYSPARK_PYTHON": sys.executable,
-    }
-    settings = {
-        "spark.connect.grpc.binding.address": "127.0.0.1",
-        "spark.connect.grpc.binding.port": str(port),
-        "spark.ui.enabled": "false",
-        "spark.sql.shuffle.partitions": "4",
-        "spark.driver.extraJavaOptions": "-Dlog4j.configurationFile="
-        + spark_session.LOG4J_CONFIG.as_uri(),
-    }
-    command = ["bash", str(script), "--wait", "--master", "local[2]"]
-    for key, value in settings.items():
-        command += ["--conf", f"{key}={value}"]
-    log_path = folder / "server.log"
-    with open(log_path, "wb") as log:
-        server = subprocess.Popen(
-            command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    try:
-        _wait_for_port(server, port, log_path, timeout=240)
-        with connect_mode():
-            session = RemoteSparkSession.builder.remote(f"sc://127.0.0.1:{port}").create()
-        yield session
-        with connect_mode():
-            session.stop()
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=30)
-
-
-def _wait_for_port(server: subprocess.Popen, port: int, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            tail = log.read_text(errors="replace")[-3000:]
-            pytest.fail(f"the Spark Connect server exited ({server.returncode}):\n{tail}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return
-        except OSError:
-            time.sleep(0.5)
-    tail = log.read_text(errors="replace")[-3000:]
-    pytest.fail(f"the Spark Connect server did not listen on {port} in {timeout} s:\n{tail}")
+    with connect_mode():
+        session = RemoteSparkSession.builder.remote(connect_url).create()
+    yield session
+    with connect_mode():
+        session.stop()
 
 
 def test_spark_connect_transform_save_and_load(spark, remote, classic_rows, model_dir, tmp_path):

@@ -3,8 +3,9 @@ hosted endpoint) in plan order, so the server's prefix cache hits.
 
 The server brings the model; the plan brings the order (``request_order="plan"``):
 
-- each prefix group's first row goes first, alone: its prefill puts the shared prefix in
-  the server's cache; once it is answered the rest of the group follows, concurrently;
+- each prefix group's first row goes first, alone, streamed: its prefill puts the shared
+  prefix in the server's cache, and once its first token arrives (the prefill is done)
+  the rest of the group follows, concurrently;
 - decode-first: rows of a group whose prefix is cached (its first row answered) go before
   new groups, and new groups start in the plan's order (most decode work first);
 - at most ``max_concurrency`` requests are in flight per operator (per Spark or Dask
@@ -46,6 +47,8 @@ from llm_operator.engine.completions import read_completion
 from llm_operator.engine.openai import requests as bodies
 from llm_operator.engine.openai.client import Endpoint, RequestFailed
 from llm_operator.engine.run import Request, Run
+
+PREFILLED = object()  # on the answers queue with a request id: its first chunk arrived
 
 
 class _Flight(NamedTuple):
@@ -106,6 +109,7 @@ class _Steps:
         self.limit = backend.config.max_concurrency
         self.answers: queue.SimpleQueue = queue.SimpleQueue()
         self.in_flight = 0
+        self.futures: set = set()  # the requests in flight (cancelled if the run stops early)
         self.released: deque[int] = deque()  # rows free to go (cached groups' first)
         self.followers: dict[int, list[int]] = {}  # a group's first row -> the rest
         requests = run.requests
@@ -146,7 +150,9 @@ class _Steps:
                 return True
 
     def close(self) -> None:
-        failures = self.endpoint.failures
+        for future in list(self.futures):  # stopped early: the server need not finish them
+            future.cancel()
+        failures = dict(self.endpoint.failures)
         self.profile.update(
             seconds=time.perf_counter() - self.started,
             retries=self.endpoint.retries - self.retries_before,
@@ -240,13 +246,24 @@ class _Steps:
         def answered(future, flight=flight) -> None:
             self.answers.put((flight, future))
 
-        future = self.endpoint.run(self.endpoint.post(path, body))
+        first = None
+        if flight.request_id in self.followers and flight.scoring is None:  # a group's first
+
+            def first(request_id=flight.request_id) -> None:  # its prompt is in the cache
+                self.answers.put((PREFILLED, request_id))
+
+        future = self.endpoint.run(self.endpoint.post(path, body, first))
+        self.futures.add(future)
         future.add_done_callback(answered)
 
     # -- reading answers ---------------------------------------------------------------
     def _read(self, item) -> None:
         flight, future = item
+        if flight is PREFILLED:  # a group's first row is computing its tokens: the rest go
+            self.released.extendleft(reversed(self.followers.pop(future, ())))
+            return
         self.in_flight -= 1
+        self.futures.discard(future)
         request_id = flight.request_id
         self.held -= self._own_tokens(request_id)
         error = future.exception()
@@ -259,8 +276,8 @@ class _Steps:
                 self.run.fail(request_id, f"model server: {bad}")
         elif isinstance(error, RequestFailed):
             self.run.fail(request_id, str(error))
-        else:
-            raise error
+        else:  # nothing the retries know: still this row's error, not the run's
+            self.run.fail(request_id, f"model server: {type(error).__name__}: {error}")
         self.released.extendleft(reversed(self.followers.pop(request_id, ())))
         if self.plan_order and self.run.requests[request_id].done:
             self._answered(self.run.requests[request_id].planned.group_id)

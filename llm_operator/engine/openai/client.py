@@ -156,12 +156,19 @@ class Endpoint:
         return cache_tokens_of(response.text)
 
     # -- one request -------------------------------------------------------------------
-    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def post(
+        self, path: str, body: dict[str, Any], first: Callable[[], None] | None = None
+    ) -> dict[str, Any]:
         """POST ``body`` (JSON) to ``path`` with the retry policy (module doc); the answer's
-        JSON, or RequestFailed."""
+        JSON, or RequestFailed. ``first``: stream the answer, and call ``first()`` once,
+        when its first chunk arrives (the prompt is computed, so in the server's prefix
+        cache); the chunks are joined into the answer a plain request gets."""
         attempt = 0
         while True:
-            failure, wait = await self._attempt(path, body)
+            if first is None:
+                failure, wait = await self._attempt(path, body)
+            else:
+                failure, wait = await self._attempt_streamed(path, body, first)
             if isinstance(failure, dict):
                 return failure
             kind, message, retryable = failure
@@ -178,26 +185,93 @@ class Endpoint:
         """One try: the answer's JSON, or ((kind, message, retryable), Retry-After seconds)."""
         try:
             response = await self._client.post(path, json=body)
-        except httpx.TimeoutException as error:
-            return ("timeout", f"timed out ({type(error).__name__})", True), None
-        except httpx.TransportError as error:  # refused, reset, dropped mid-answer
-            return (
-                "connection",
-                f"connection failed ({type(error).__name__}: {error})",
-                True,
-            ), None
-        status = response.status_code
-        if status == 200:
-            try:
-                return response.json(), None
-            except ValueError:
-                return (
-                    "body",
-                    f"HTTP 200 with a body that is not JSON: {response.text[:200]!r}",
-                    True,
-                ), None
-        message = f"HTTP {status}: {_message(response)}"
-        return (str(status), message, status in RETRY_STATUSES), retry_after(response)
+        except httpx.HTTPError as error:
+            return _transport_failure(error), None
+        return _answer(response)
+
+    async def _attempt_streamed(self, path: str, body: dict[str, Any], first):
+        """``_attempt`` with ``stream: true``: server-sent chunks joined by ``join_chunks``;
+        ``first()`` called at the first chunk (of any try: it is called once)."""
+        streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        chunks: list[dict[str, Any]] = []
+        try:
+            async with self._client.stream("POST", path, json=streamed) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    return _answer(response)
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[len("data:") :].strip()
+                    if data == "[DONE]":
+                        break
+                    chunks.append(json.loads(data))
+                    if len(chunks) == 1:
+                        first()
+        except httpx.HTTPError as error:
+            return _transport_failure(error), None
+        except ValueError as error:
+            return ("body", f"a streamed chunk that is not JSON ({error})", True), None
+        return join_chunks(chunks), None
+
+
+def _transport_failure(error: Exception) -> tuple[str, str, bool]:
+    if isinstance(error, httpx.TimeoutException):
+        return ("timeout", f"timed out ({type(error).__name__})", True)
+    # refused, reset, dropped mid-answer
+    return ("connection", f"connection failed ({type(error).__name__}: {error})", True)
+
+
+def _answer(response: httpx.Response):
+    """A whole response: its JSON, or ((kind, message, retryable), Retry-After seconds)."""
+    status = response.status_code
+    if status == 200:
+        try:
+            return response.json(), None
+        except ValueError:
+            text = response.text[:200]
+            return ("body", f"HTTP 200 with a body that is not JSON: {text!r}", True), None
+    message = f"HTTP {status}: {_message(response)}"
+    return (str(status), message, status in RETRY_STATUSES), retry_after(response)
+
+
+def join_chunks(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """A streamed answer's chunks as the one answer a plain request gets: the first
+    choice's text (or message content), token ids and log-probabilities concatenated,
+    its last finish reason, the usage of the chunk that has it."""
+    text: list[str] = []
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    content: list[dict[str, Any]] = []
+    reason = None
+    usage = None
+    chat = False
+    for chunk in chunks:
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices") or ():
+            if choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta")
+            if delta is not None:
+                chat = True
+                text.append(delta.get("content") or "")
+            else:
+                text.append(choice.get("text") or "")
+            token_ids.extend(choice.get("token_ids") or ())
+            entries = choice.get("logprobs") or {}
+            logprobs.extend(entries.get("token_logprobs") or ())
+            content.extend(entries.get("content") or ())
+            reason = choice.get("finish_reason") or reason
+    joined: dict[str, Any] = {"finish_reason": reason}
+    if chat:
+        joined["message"] = {"content": "".join(text)}
+        joined["logprobs"] = {"content": content} if content else None
+    else:
+        joined["text"] = "".join(text)
+        joined["logprobs"] = {"token_logprobs": logprobs} if logprobs else None
+    if token_ids:
+        joined["token_ids"] = token_ids
+    return {"choices": [joined], "usage": usage}
 
 
 def cache_tokens_of(metrics: str) -> int | None:
