@@ -84,15 +84,9 @@ def check_server(options: InferOptions) -> None:
     engine = options.engine
     if engine.backend != "openai":
         return
-    from llm_operator.engine.openai.client import Endpoint
+    from llm_operator.engine.openai.client import endpoint_for
 
-    endpoint = Endpoint(
-        engine.base_url,
-        engine.api_key or os.environ.get("OPENAI_API_KEY"),
-        timeout=min(engine.request_timeout, 30.0),
-        max_retries=0,
-        max_connections=1,
-    )
+    endpoint = endpoint_for(engine, timeout=min(engine.request_timeout, 30.0), max_retries=0)
     try:
         endpoint.probe(engine.server_model)
     finally:

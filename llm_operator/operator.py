@@ -123,6 +123,7 @@ class LLMOperator:
         backend = self.backend() if plan.requests else None
         generate_started = time.perf_counter()
         user_rows = sum(1 for row in valid if row < rows)  # not the scoring requests
+        sources = [*prompts, *(prompts[s.row] for s in scoring)]  # what each plan row asked
         with ProgressBar(user_rows, enabled=self.config.progress) as bar:
             run = Run(
                 plan,
@@ -133,9 +134,8 @@ class LLMOperator:
                 progress=bar.update,
                 constraints=constraints,
                 forced=forced_tokens(plan, valid, scoring, rows),
+                sources=[sources[valid[r.rows[0]]] for r in plan.requests],
             )
-            sources = [*prompts, *(prompts[s.row] for s in scoring)]  # what each row asked
-            run.sources = [sources[valid[r.rows[0]]] for r in plan.requests]
             outputs = run_plan(backend, run) if backend is not None else run.result()
         generate_seconds = time.perf_counter() - generate_started
         results = row_results(prepared, plan, valid, outputs, scoring)

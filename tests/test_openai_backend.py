@@ -11,6 +11,7 @@ backend with the same settings as the reference.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import time
@@ -126,13 +127,6 @@ def _params() -> list[SamplingParams]:
     return params
 
 
-def _common(a, b) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 def _rows(results) -> list[tuple]:
     return [(r.token_ids, r.text, r.finish_reason, r.error) for r in results]
 
@@ -156,7 +150,7 @@ def test_rows_equal_the_vllm_backend_s_and_usage_is_counted(operator, reference,
     floor = 0
     for group in range(len(HEADS)):
         rows = [ids[i] for i in range(group, len(HEADS) * len(TAILS), len(HEADS))]
-        common = min(_common(rows[0], other) for other in rows[1:])
+        common = len(os.path.commonprefix(rows))
         assert common >= 2 * BLOCK, "the heads share whole blocks"
         floor += (len(rows) - 1) * (common // BLOCK * BLOCK)
     assert stats.server_cached_tokens >= floor

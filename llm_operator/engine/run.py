@@ -80,6 +80,8 @@ class Run:
     constraints: compiles ``choices``/``regex``/``json_schema`` (needed when any row has one).
     forced: request_id -> tokens a scoring request feeds instead of sampling; its output's
         ``logprob`` is their log-probability after the prompt.
+    sources: the prompt (text or chat messages) of each planned request, for a backend
+        that sends prompts rather than token ids (``openai`` with api="chat").
     """
 
     def __init__(
@@ -94,6 +96,7 @@ class Run:
         progress: ProgressCallback | None = None,
         constraints=None,
         forced: dict[int, tuple[int, ...]] | None = None,
+        sources: Sequence | None = None,
     ) -> None:
         assert len(params) == len(plan.requests), "one SamplingParams per planned request"
         if seeds is None:
@@ -126,7 +129,7 @@ class Run:
         self.forced_tokens = 0  # output tokens appended without sampling (jump-forward)
         self.usage: dict[str, int] | None = None  # a model server's token counts (openai)
         # the prompt each planned request came from (a backend sending messages reads them)
-        self.sources: Sequence | None = None
+        self.sources = sources
 
     @property
     def done(self) -> bool:

@@ -36,7 +36,6 @@ into ``RunStats``.
 
 from __future__ import annotations
 
-import os
 import queue
 import time
 from collections import deque
@@ -45,7 +44,7 @@ from typing import Any, NamedTuple
 from llm_operator.config import EngineConfig
 from llm_operator.engine.completions import read_completion
 from llm_operator.engine.openai import requests as bodies
-from llm_operator.engine.openai.client import Endpoint, RequestFailed
+from llm_operator.engine.openai.client import RequestFailed, endpoint_for
 from llm_operator.engine.run import Request, Run
 
 PREFILLED = object()  # on the answers queue with a request id: its first chunk arrived
@@ -69,14 +68,7 @@ class OpenAIBackend:
         self.config = config
         self.tokenizer = tokenizer
         self.max_context = max_context
-        api_key = config.api_key or os.environ.get("OPENAI_API_KEY")
-        self.endpoint = Endpoint(
-            config.base_url,
-            api_key,
-            timeout=config.request_timeout,
-            max_retries=config.max_retries,
-            max_connections=config.max_concurrency,
-        )
+        self.endpoint = endpoint_for(config)
         try:
             self.served = self.endpoint.probe(config.server_model)
         except BaseException:
@@ -122,7 +114,8 @@ class _Steps:
         self.plan_order = backend.config.request_order == "plan"
         self.capacity = backend.cache_tokens if self.plan_order else None
         self.held = 0  # tokens of the groups' prefixes and the requests in flight
-        self.group_left: dict[int, int] = {}  # a started group's requests not answered
+        # the groups started and not ended: their requests not answered
+        self.group_left: dict[int, int] = {}
         self.started = time.perf_counter()
         self.retries_before = backend.endpoint.retries
         self.failures_before = dict(backend.endpoint.failures)
@@ -134,7 +127,6 @@ class _Steps:
             "cache_tokens": self.capacity,
             "max_groups_in_flight": 0,
         }
-        self.active = 0  # groups started and not ended
 
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> bool:
@@ -181,16 +173,15 @@ class _Steps:
             members = [i for i in group.request_ids if not requests[i].done]
             if (
                 members
-                and self.active
+                and self.group_left
                 and not self._fits(group.prefix_length + self._own_tokens(members[0]))
             ):
                 return  # the next wave starts when a group ends
             self.groups.popleft()
             self.held += group.prefix_length
             self.group_left[group.group_id] = len(members)
-            self.active += 1
             self.profile["max_groups_in_flight"] = max(
-                self.profile["max_groups_in_flight"], self.active
+                self.profile["max_groups_in_flight"], len(self.group_left)
             )
             if group.prefix_length > 0 and len(members) > 1:
                 self.followers[members[0]] = members[1:]
@@ -218,13 +209,12 @@ class _Steps:
     def _group_done(self, group_id: int) -> None:
         del self.group_left[group_id]
         self.held -= self.run.plan.groups[group_id].prefix_length
-        self.active -= 1
 
     def _send(self, flight: _Flight) -> None:
         request = self.run.requests[flight.request_id]
         backend = self.backend
-        if flight.scoring is not None or request.forced is not None:
-            tokens = flight.scoring[0] if flight.scoring else request.forced
+        tokens = _scored(flight, request)
+        if tokens is not None:
             path, body = (
                 "/completions",
                 bodies.scoring_body(backend.served.model, request.planned.token_ids, tokens),
@@ -294,8 +284,8 @@ class _Steps:
 
     def _answer(self, flight: _Flight, request: Request, answer: dict[str, Any]) -> None:
         run = self.run
-        if flight.scoring is not None or request.forced is not None:
-            tokens = flight.scoring[0] if flight.scoring else request.forced
+        tokens = _scored(flight, request)
+        if tokens is not None:
             logprob = bodies.scored_logprob(answer, len(request.planned.token_ids), tokens)
             if flight.scoring is None or flight.scoring[1] is None:
                 run.replay(request.request_id, tokens, "length", "", logprob)
@@ -315,3 +305,9 @@ class _Steps:
         elif request.params.logprobs:
             logprob = 0.0
         run.replay(request.request_id, tokens, reason, text, logprob)
+
+
+def _scored(flight: _Flight, request: Request) -> tuple[int, ...] | None:
+    """The tokens a flight scores (a constrained row's after its generation, a choice's),
+    or None for a generation."""
+    return flight.scoring[0] if flight.scoring else request.forced

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import json
+import os
 import random
 import threading
 import time
@@ -274,6 +275,21 @@ def join_chunks(chunks: list[dict[str, Any]]) -> dict[str, Any]:
     return {"choices": [joined], "usage": usage}
 
 
+def endpoint_for(
+    config, *, timeout: float | None = None, max_retries: int | None = None
+) -> Endpoint:
+    """The ``Endpoint`` an ``EngineConfig`` names: its base_url, its api_key (else
+    ``$OPENAI_API_KEY``), request_timeout, max_retries and max_concurrency connections,
+    ``timeout`` and ``max_retries`` given here in place of the config's."""
+    return Endpoint(
+        config.base_url,
+        config.api_key or os.environ.get("OPENAI_API_KEY"),
+        timeout=config.request_timeout if timeout is None else timeout,
+        max_retries=config.max_retries if max_retries is None else max_retries,
+        max_connections=config.max_concurrency,
+    )
+
+
 def cache_tokens_of(metrics: str) -> int | None:
     """The KV cache size in tokens from vLLM's Prometheus text (the labels of
     ``vllm:cache_config_info``: ``kv_cache_size_tokens``, else blocks x block size)."""
@@ -321,10 +337,3 @@ def _message(response: httpx.Response) -> str:
         if isinstance(error, str):
             return error[:500]
     return json.dumps(data)[:300]
-
-
-def gather_into(endpoint: Endpoint, coroutine: Coroutine, done: Callable[[Future], None]) -> Future:
-    """Run ``coroutine`` on the endpoint's loop and call ``done(future)`` when it ends."""
-    future = endpoint.run(coroutine)
-    future.add_done_callback(done)
-    return future

@@ -8,6 +8,7 @@ own. The mapping from our ``SamplingParams`` follows ``engine.vllm.driver.sampli
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -85,8 +86,6 @@ def request_body(
         return "/completions", body
     body["messages"] = messages(run, request)
     if constraint is not None:  # json_schema (check_run refused the others)
-        import json
-
         body["response_format"] = {
             "type": "json_schema",
             "json_schema": {"name": "row", "schema": json.loads(constraint[1]), "strict": True},
@@ -109,7 +108,7 @@ def structured_outputs(kind: str, value: Any) -> dict[str, Any]:
 
 def messages(run: Run, request: Request) -> list[dict[str, Any]]:
     """The chat messages of a request's prompt (a string: one user message)."""
-    sources = getattr(run, "sources", None)
+    sources = run.sources
     if sources is None:
         raise ValueError("api='chat' needs the rows' prompts (run through LLMOperator.generate)")
     prompt = sources[request.request_id]
