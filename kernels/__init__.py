@@ -60,6 +60,7 @@ from llm_operator.kernels.metadata import (
     own_batch_arrays,
     prefix_batch,
     prefix_batch_arrays,
+    windowed,
 )
 
 __all__ = [
@@ -82,6 +83,7 @@ __all__ = [
     "prefix_batch",
     "prefix_batch_arrays",
     "store_kv",
+    "windowed",
 ]
 
 IMPLEMENTATION_ENV = "LLM_OPERATOR_KERNELS"
@@ -318,6 +320,9 @@ class AttentionStep:
             )
         self.implementation = implementation
         self.own, self.prefixes, self.slot_mapping = own, list(prefixes), slot_mapping
+        # attention scores soft-capped (Gemma 2): softcap * tanh(scores / softcap); the
+        # torch implementation only
+        self.softcap: float | None = None
         self.split_keys = cpu_ops.SPLIT_KEYS
         self.module = None
         if implementation == "cpp":
@@ -354,16 +359,21 @@ class AttentionStep:
 
     def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float) -> Tensor:
         """Each row's attention over its own K/V and its segments, merged (K/V stored)."""
+        if self.softcap is not None and self.implementation != "torch":
+            raise ValueError(
+                f"soft-capped attention scores run on the torch kernels only, not "
+                f"{self.implementation!r}"
+            )
         if self.implementation == "cpp":
             return cpu_ops.attention(
                 self.module, q, k_cache, v_cache, self.work, scale, self.split_keys
             )
-        module = self.module
+        module, softcap = self.module, self.softcap
         if self.implementation == "triton":  # own part, then each level merged in place
             return module.attend(q, k_cache, v_cache, self.own, self.prefixes, scale)
-        parts = [module.own_attention(q, k_cache, v_cache, self.own, scale)]
+        parts = [module.own_attention(q, k_cache, v_cache, self.own, scale, softcap)]
         for batch in self.prefixes:
-            parts.append(module.prefix_attention(q, k_cache, v_cache, batch, scale))
+            parts.append(module.prefix_attention(q, k_cache, v_cache, batch, scale, softcap))
         if len(parts) == 1:
             return parts[0].out
         return module.merge_attention_states(parts).out

@@ -421,6 +421,9 @@ void store_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, con
 // Item i: the q rows item_rows[row_begin : row_begin + row_count] attend to key_len keys at
 // the blocks tables[list][row]; causal: its row r sits at position key_len - row_count + r
 // and sees keys 0 .. that position; else every row sees all key_len keys.
+// item_first [N] int32 (sliding-window attention; optional, aligned with item_rows): the
+// first key of its item each row may see; keys before it are masked, and key runs before
+// the lowest of a unit's rows are not read at all.
 enum ItemField { TABLE_LIST, TABLE_ROW, KEY_LEN, ROW_BEGIN, ROW_COUNT, CAUSAL, ITEM_FIELDS };
 
 struct Unit {  // one item's rows [r0, r1), one KV head, keys [k0, k1)
@@ -619,6 +622,7 @@ struct AttentionArgs {
   float scale;
   const int32_t* items;
   const int32_t* item_rows;
+  const int32_t* item_first = nullptr;  // sliding window: see ItemField; null: none
   std::vector<const int32_t*> tables;
   std::vector<int64_t> table_widths;
 };
@@ -648,9 +652,10 @@ void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, UnitScrat
   const int32_t* rows = a.item_rows + item[ROW_BEGIN];
   const int64_t queries = (u.r1 - u.r0) * group;
   // scratch: q [queries, dim] (scaled), SUB_TILES key tiles [dim, 16], limits [queries],
-  // the softmax denominators lane by lane [queries, 16] (summed across lanes at the end)
+  // the softmax denominators lane by lane [queries, 16] (summed across lanes at the end),
+  // the first visible key of each query [queries]
   std::vector<float>& scratch = buffers.values;
-  scratch.resize(queries * dim + SUB_TILES * dim * LANES + queries + queries * LANES);
+  scratch.resize(queries * dim + SUB_TILES * dim * LANES + 2 * queries + queries * LANES);
   float* q = scratch.data();
 #if defined(__AVX512BF16__)
   // bf16 with AVX512-BF16: scores and values by dot products of bf16 pairs
@@ -671,7 +676,9 @@ void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, UnitScrat
   float* key_tiles = q + queries * dim;
   float* limit = key_tiles + SUB_TILES * dim * LANES;
   float* lane_sums = limit + queries;
+  float* low = lane_sums + queries * LANES;
   std::fill(lane_sums, lane_sums + queries * LANES, 0.0f);
+  const int32_t* firsts = a.item_first ? a.item_first + item[ROW_BEGIN] : nullptr;
   for (int64_t r = u.r0; r < u.r1; ++r) {
     const T* q_row = a.q + (static_cast<int64_t>(rows[r]) * a.heads + u.head * group) * dim;
     for (int64_t j = 0; j < group; ++j) {
@@ -682,6 +689,8 @@ void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, UnitScrat
                     dim * sizeof(T));
       limit[(r - u.r0) * group + j] =
           static_cast<float>(causal ? key_len - row_count + r + 1 : key_len);
+      low[(r - u.r0) * group + j] =
+          firsts ? static_cast<float>(std::max<int32_t>(0, firsts[r])) : 0.0f;
     }
   }
   float* acc = out.acc.data() + u.entry * dim;
@@ -791,16 +800,21 @@ void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, UnitScrat
       for (int i = 0; i < n; ++i) {
         const int64_t query = i0 + i;
         const int64_t query_limit = static_cast<int64_t>(limit[query]);
-        int valid[SUB_TILES];
+        const int64_t query_low = static_cast<int64_t>(low[query]);
+        int valid[SUB_TILES], masked[SUB_TILES];
         float lane_max[LANES];
         for (int j = 0; j < LANES; ++j) lane_max[j] = NEG_INF;
         for (int t = 0; t < count; ++t) {
           valid[t] = static_cast<int>(std::max<int64_t>(
               0, std::min<int64_t>(tiles[t].width, query_limit - tiles[t].first)));
+          // lanes below `masked` lie before the query's window
+          masked[t] = static_cast<int>(
+              std::min<int64_t>(std::max<int64_t>(0, query_low - tiles[t].first), LANES));
           const float* row = scores[i] + t * LANES;
-          const int v = valid[t];
+          const int v = valid[t], m = masked[t];
 #pragma omp simd
-          for (int j = 0; j < LANES; ++j) lane_max[j] = std::max(lane_max[j], j < v ? row[j] : NEG_INF);
+          for (int j = 0; j < LANES; ++j)
+            lane_max[j] = std::max(lane_max[j], j < v && j >= m ? row[j] : NEG_INF);
         }
         float step_max = NEG_INF;
 #pragma omp simd reduction(max : step_max)
@@ -820,10 +834,10 @@ void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, UnitScrat
         for (int t = 0; t < count; ++t) {
           const float* row = scores[i] + t * LANES;
           float* w = weights[i] + t * LANES;
-          const int v = valid[t];
+          const int v = valid[t], m = masked[t];
 #pragma omp simd
           for (int j = 0; j < LANES; ++j) {
-            const float e = j < v ? exp_nonpositive(row[j] - new_max) : 0.0f;
+            const float e = j < v && j >= m ? exp_nonpositive(row[j] - new_max) : 0.0f;
             w[j] = e;
             step_sums[j] += e;
           }
@@ -922,8 +936,8 @@ struct AttentionPlan {
 };
 
 AttentionPlan plan_attention(const int32_t* items, int64_t num_items, const int32_t* item_rows,
-                             int64_t tokens, int64_t heads, int64_t kv_heads,
-                             int64_t split_keys) {
+                             const int32_t* item_first, int64_t tokens, int64_t heads,
+                             int64_t kv_heads, int64_t block_size, int64_t split_keys) {
   const int64_t group = heads / kv_heads;
   AttentionPlan plan;
   // A unit takes up to 256 query vectors (rows x the query heads of one KV head) and reads
@@ -957,10 +971,21 @@ AttentionPlan plan_attention(const int32_t* items, int64_t num_items, const int3
     for (int64_t r0 = 0; r0 < row_count; r0 += tile_rows) {
       const int64_t r1 = std::min(row_count, r0 + tile_rows);
       const int64_t visible = item[CAUSAL] ? key_len - row_count + r1 : key_len;
+      // sliding window: no unit reads keys before the lowest first key of its rows; the
+      // start keeps the softmax steps where they were in the invariant mode (a step is
+      // SUB_TILES runs of 16 keys from a multiple of STEP_KEYS, or one block's run)
+      int64_t start = 0;
+      if (item_first) {
+        start = visible;
+        for (int64_t r = r0; r < r1; ++r)
+          start = std::min<int64_t>(start, std::max<int32_t>(0, item_first[item[ROW_BEGIN] + r]));
+        const int64_t align = !plan.invariant ? LANES : plan.sub_tiles == 1 ? block_size : STEP_KEYS;
+        start -= start % align;
+      }
       const int64_t chunk = plan.invariant          ? visible
                             : row_count <= tile_rows ? split_keys
                                                      : visible;
-      for (int64_t k0 = 0; k0 < visible; k0 += chunk) {
+      for (int64_t k0 = start; k0 < visible; k0 += chunk) {
         for (int64_t g = 0; g < kv_heads; ++g) {
           plan.units.push_back({i, g, r0, r1, k0, std::min(visible, k0 + chunk), plan.entries});
           plan.entries += (r1 - r0) * group;
@@ -1044,19 +1069,24 @@ struct StepTensors {  // one step's attention metadata, checked once
   const int32_t* items;
   int64_t num_items;
   const int32_t* item_rows;
+  const int32_t* item_first;  // null: no sliding window
   std::vector<const int32_t*> tables;
   std::vector<int64_t> table_widths;
 };
 
 StepTensors step_tensors(const std::vector<at::Tensor>& tables, const at::Tensor& items,
-                         const at::Tensor& item_rows) {
+                         const at::Tensor& item_rows, const at::Tensor& item_first) {
   TORCH_CHECK(items.dim() == 2 && items.size(1) == ITEM_FIELDS &&
                   items.scalar_type() == at::kInt && items.is_contiguous(),
               "attention: items must be contiguous int32 [I, 6]");
   TORCH_CHECK(item_rows.scalar_type() == at::kInt && item_rows.is_contiguous(),
               "attention: item_rows must be contiguous int32");
-  StepTensors step{items.data_ptr<int32_t>(), items.size(0), item_rows.data_ptr<int32_t>(), {},
-                   {}};
+  TORCH_CHECK(!item_first.numel() ||
+                  (item_first.scalar_type() == at::kInt && item_first.is_contiguous() &&
+                   item_first.numel() == item_rows.numel()),
+              "attention: item_first must be empty or contiguous int32 like item_rows");
+  StepTensors step{items.data_ptr<int32_t>(), items.size(0), item_rows.data_ptr<int32_t>(),
+                   item_first.numel() ? item_first.data_ptr<int32_t>() : nullptr, {}, {}};
   for (const at::Tensor& table : tables) {
     TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kInt && table.is_contiguous(),
                 "attention: tables must be contiguous int32 [S, W]");
@@ -1081,6 +1111,7 @@ AttentionArgs<T> attention_args(const StepTensors& step, const T* q, const at::T
   a.scale = static_cast<float>(scale);
   a.items = step.items;
   a.item_rows = step.item_rows;
+  a.item_first = step.item_first;
   a.tables = step.tables;
   a.table_widths = step.table_widths;
   return a;
@@ -1099,17 +1130,18 @@ void check_caches(at::ScalarType dtype, const at::Tensor& k_cache, const at::Ten
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const std::vector<at::Tensor>& tables,
-                           const at::Tensor& items, const at::Tensor& item_rows, double scale,
-                           int64_t split_keys) {
+                           const at::Tensor& items, const at::Tensor& item_rows,
+                           const at::Tensor& item_first, double scale, int64_t split_keys) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "paged_attention: q must be contiguous [T, H, D]");
   check_caches(q.scalar_type(), k_cache, v_cache);
   TORCH_CHECK(q.size(2) == k_cache.size(2), "paged_attention: q and cache head_dim disagree");
   // split_keys 0 or negative: batch-invariant (see AttentionPlan)
   const int64_t tokens = q.size(0), heads = q.size(1);
   TORCH_CHECK(heads % k_cache.size(0) == 0, "paged_attention: heads % kv_heads != 0");
-  const StepTensors step = step_tensors(tables, items, item_rows);
-  const AttentionPlan plan = plan_attention(step.items, step.num_items, step.item_rows, tokens,
-                                            heads, k_cache.size(0), split_keys);
+  const StepTensors step = step_tensors(tables, items, item_rows, item_first);
+  const AttentionPlan plan =
+      plan_attention(step.items, step.num_items, step.item_rows, step.item_first, tokens, heads,
+                     k_cache.size(0), k_cache.size(3), split_keys);
   at::Tensor out = at::empty_like(q);
   Partials partials;
   if (q.scalar_type() == at::kFloat) {
@@ -1321,8 +1353,9 @@ at::Tensor decoder_forward_impl(const at::Tensor& embedded, const at::Tensor& co
     run_linear<T>(x, tokens, in_features, packed, b, out, out_features, x32, x_pairs);
     add_time(LINEAR_SECONDS, started);
   };
-  const AttentionPlan plan = plan_attention(step.items, step.num_items, step.item_rows, tokens,
-                                            heads, kv_heads, split_keys);
+  const AttentionPlan plan =
+      plan_attention(step.items, step.num_items, step.item_rows, step.item_first, tokens, heads,
+                     kv_heads, block_size, split_keys);
   Partials partials;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t layer = 0; layer < num_layers; ++layer) {
@@ -1448,8 +1481,9 @@ at::Tensor decoder_forward(const at::Tensor& embedded, const at::Tensor& cos,
                            const at::Tensor& final_norm, const std::vector<at::Tensor>& k_caches,
                            const std::vector<at::Tensor>& v_caches,
                            const at::Tensor& slot_mapping, const std::vector<at::Tensor>& tables,
-                           const at::Tensor& items, const at::Tensor& item_rows, int64_t heads,
-                           int64_t kv_heads, int64_t intermediate, double eps, double scale,
+                           const at::Tensor& items, const at::Tensor& item_rows,
+                           const at::Tensor& item_first, int64_t heads, int64_t kv_heads,
+                           int64_t intermediate, double eps, double scale,
                            int64_t split_keys, at::Tensor& seconds, at::Tensor& workspace) {
   TORCH_CHECK(embedded.dim() == 2 && embedded.is_contiguous(),
               "decoder_forward: embedded must be contiguous [T, hidden]");
@@ -1495,7 +1529,7 @@ at::Tensor decoder_forward(const at::Tensor& embedded, const at::Tensor& cos,
   TORCH_CHECK(workspace.scalar_type() == at::kByte && workspace.dim() == 1 &&
                   workspace.is_contiguous(),
               "decoder_forward: workspace must be a 1-D uint8 tensor (grown as needed)");
-  const StepTensors step = step_tensors(tables, items, item_rows);
+  const StepTensors step = step_tensors(tables, items, item_rows, item_first);
   double* timings = nullptr;
   if (seconds.numel()) {
     TORCH_CHECK(seconds.scalar_type() == at::kDouble && seconds.numel() == 4,

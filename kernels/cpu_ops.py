@@ -111,12 +111,15 @@ class AttentionItems(NamedTuple):
 
     items [I, 6] int32: (table list, table row, key_len, row_begin, row_count, causal);
     item_rows [N] int32: q rows, item i's at item_rows[row_begin : row_begin + row_count];
-    tables: block tables, the own batch's first, then one per prefix batch.
+    tables: block tables, the own batch's first, then one per prefix batch;
+    item_first [N] int32, aligned with item_rows: the first key of its item each row sees
+    (sliding-window layers), or empty (every key).
     """
 
     items: Tensor
     item_rows: Tensor
     tables: list[Tensor]
+    item_first: Tensor
 
 
 # Keys per softmax step of the batch-invariant attention with aligned items (SUB_TILES runs of
@@ -136,28 +139,30 @@ def invariant_split_keys(block_size: int, prefixes: Sequence[PrefixBatch]) -> in
 
 def _aligned(
     own: OwnBatch, prefixes: Sequence[PrefixBatch], step_keys: int
-) -> tuple[OwnBatch, list[PrefixBatch]]:
+) -> tuple[OwnBatch, list[PrefixBatch], list]:
     """The step's batches with every item's keys starting at a multiple of ``step_keys``
     (segments end on block boundaries): the keys of a segment past its last multiple are
     left to the next item of its rows (a deeper segment, or the row's own keys), whose table
     gets those blocks in front. A row's keys are then cut into softmax steps at the same
-    positions whatever its segments, so the batch-invariant attention can take whole steps."""
+    positions whatever its segments, so the batch-invariant attention can take whole steps.
+    Also returns, per prefix batch, the keys carried in front of each segment's own."""
     import dataclasses
 
     import numpy as np
 
     if own.num_rows == 0:
-        return own, list(prefixes)
+        return own, list(prefixes), [np.zeros(len(p.host_lengths), np.int64) for p in prefixes]
     size = own.block_size
     most = max(1, step_keys // size)  # blocks a row can carry (fewer than a step's keys)
     carried = np.zeros(own.num_rows, dtype=np.int64)  # keys carried, per q row
     carry = np.zeros((own.num_rows, most), dtype=np.int32)
-    levels = []
+    levels, carried_in = [], []
     for prefix in prefixes:
         rows = np.asarray(prefix.host_rows, dtype=np.int64)
         starts, lengths = prefix.host_row_start, prefix.host_lengths
         tables = prefix.block_tables.cpu().numpy()
         new_tables, new_lengths = [], []
+        carried_in.append(np.zeros(len(lengths), dtype=np.int64))
         for s, length in enumerate(lengths):
             readers = rows[starts[s] : starts[s + 1]]
             if length % size:
@@ -165,6 +170,7 @@ def _aligned(
                     f"segment {s} has {length} tokens, not a multiple of the block size {size}"
                 )
             before = int(carried[readers[0]]) if len(readers) else 0
+            carried_in[-1][s] = before
             blocks = np.concatenate(
                 [carry[readers[0], : before // size] if len(readers) else carry[0, :0],
                  tables[s, : length // size]]
@@ -213,7 +219,7 @@ def _aligned(
         max_context_len=int(lengths.max(initial=0)),
         derived={},
     )
-    return own, levels
+    return own, levels, carried_in
 
 
 def attention_items(
@@ -225,8 +231,9 @@ def attention_items(
     batch-invariant mode's whole softmax steps (``attention(split_keys=-1)``)."""
     if any(p.slot_tables is not None for p in prefixes):
         raise ValueError("the compiled CPU kernels take prefix_batch levels, not chain_batch")
+    carried_in = [None] * len(prefixes)
     if step_keys is not None:
-        own, prefixes = _aligned(own, prefixes, step_keys)
+        own, prefixes, carried_in = _aligned(own, prefixes, step_keys)
     starts = own.query_start.long()
     counts = starts[1:] - starts[:-1]
     own_items = torch.stack(
@@ -267,7 +274,35 @@ def attention_items(
         items[keep].contiguous(),
         torch.cat(rows).to(torch.int32),
         [own.block_tables.contiguous()] + [p.block_tables.contiguous() for p in prefixes],
+        _item_first(own, prefixes, carried_in),
     )
+
+
+def _item_first(own: OwnBatch, prefixes: Sequence[PrefixBatch], carried_in: Sequence) -> Tensor:
+    """``AttentionItems.item_first`` of a sliding-window step (empty without a window), in
+    the items' key coordinates: an own row's own position less the window plus one (keys
+    carried in front by ``_aligned`` are counted in the position), a segment row's
+    ``key_start`` plus the keys carried in front of its segment."""
+    import numpy as np
+
+    if not own.window and all(p.key_start is None for p in prefixes):
+        return torch.empty(0, dtype=torch.int32)
+    starts = np.asarray(own.host_query_start, dtype=np.int64)
+    counts = np.diff(starts)
+    request = np.repeat(np.arange(len(counts)), counts)
+    lengths = np.asarray(own.host_context_lens, dtype=np.int64)
+    position = lengths[request] - counts[request] + np.arange(own.num_rows) - starts[request]
+    parts = [position - own.window + 1 if own.window else np.zeros(own.num_rows, np.int64)]
+    for prefix, carried in zip(prefixes, carried_in):
+        if prefix.host_key_start is None:
+            parts.append(np.zeros(len(prefix.host_rows), dtype=np.int64))
+            continue
+        first = np.asarray(prefix.host_key_start, dtype=np.int64)
+        if carried is not None:
+            first = first + np.repeat(carried, np.diff(prefix.host_row_start))
+        parts.append(first)
+    merged = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    return torch.from_numpy(np.clip(merged, -(2**30), 2**30).astype(np.int32))
 
 
 def _check_caches(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
@@ -325,7 +360,7 @@ def attention(
     _check_caches(q, k_cache, v_cache)
     return module.paged_attention(
         q.contiguous(), k_cache, v_cache, work.tables, work.items, work.item_rows,
-        metadata.check_scale(scale), split_keys,
+        work.item_first, metadata.check_scale(scale), split_keys,
     )  # fmt: skip
 
 

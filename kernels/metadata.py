@@ -54,6 +54,7 @@ __all__ = [
     "own_batch_arrays",
     "prefix_batch",
     "prefix_batch_arrays",
+    "windowed",
 ]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -224,6 +225,9 @@ class OwnBatch:
     max_context_len: int  # max context_lens[b]
     host_query_start: tuple[int, ...]
     host_context_lens: tuple[int, ...]
+    # Sliding-window attention: row j of request b (own position p = context_lens[b] - n_b
+    # + j) sees own positions p - window + 1 .. p only; 0: every earlier position.
+    window: int = 0
     # Per-implementation launch data derived on first use and reused by later layers.
     derived: dict = field(default_factory=dict, repr=False)
 
@@ -253,6 +257,13 @@ class PrefixBatch:
     # chain_batch only: [S, max_length] int64 cache slots of each segment's keys in order
     # (block_tables is then [S, 0]); the torch path reads any slot list, Triton does not.
     slot_tables: Tensor | None = None
+    # Sliding-window attention: [N] int32 aligned with ``rows``: the first key of its
+    # segment each row sees (keys before it lie outside the row's window; <= 0: all of
+    # them; >= the segment's length: none); None: all keys. The step builder leaves a row
+    # whose window misses a segment wholly out of that batch (but the batch-invariant CPU
+    # mode, whose items must match the window-less layout's).
+    key_start: Tensor | None = None
+    host_key_start: tuple[int, ...] | None = None
     derived: dict = field(default_factory=dict, repr=False)
 
 
@@ -311,6 +322,7 @@ def own_batch(
     block_size: int,
     num_blocks: int,
     device: torch.device | str = "cpu",
+    window: int = 0,
 ) -> OwnBatch:
     """Validate one step's own-attention layout on the host and put it on ``device``.
 
@@ -355,6 +367,7 @@ def own_batch(
         max_context_len=max(lengths, default=0),
         host_query_start=tuple(starts),
         host_context_lens=tuple(lengths),
+        window=_check_count("window", window, 0),
     )
 
 
@@ -399,6 +412,7 @@ def own_batch_arrays(
     block_size: int,
     num_blocks: int,
     device: torch.device | str = "cpu",
+    window: int = 0,
 ) -> OwnBatch:
     """``own_batch`` from a step builder's arrays, with the same checks vectorized (a
     thousand decode rows cost microseconds, not milliseconds).
@@ -406,7 +420,9 @@ def own_batch_arrays(
     query_start:  [B + 1] integers, cumulative row counts from 0
     block_tables: [B, width] integers; entries past a request's used blocks are ignored
     context_lens: [B] integers, each >= the request's rows
+    window:       sliding-window attention (``OwnBatch.window``; 0: none)
     """
+    window = _check_count("window", window, 0)
     starts = np.asarray(query_start, dtype=np.int64)
     lengths = np.asarray(context_lens, dtype=np.int64)
     tables = np.asarray(block_tables)
@@ -443,6 +459,7 @@ def own_batch_arrays(
         max_context_len=int(lengths.max()) if count else 0,
         host_query_start=tuple(starts.tolist()),
         host_context_lens=tuple(lengths.tolist()),
+        window=window,
     )
 
 
@@ -456,6 +473,7 @@ def prefix_batch_arrays(
     block_size: int,
     num_blocks: int,
     device: torch.device | str = "cpu",
+    key_start: np.ndarray | None = None,
 ) -> PrefixBatch:
     """``prefix_batch`` from a step builder's arrays (rows already grouped by segment),
     with the same checks vectorized.
@@ -464,6 +482,8 @@ def prefix_batch_arrays(
     row_start:    [S + 1] cumulative from 0
     block_tables: [S, width] each segment's blocks (entries past its length are ignored)
     lengths:      [S] tokens of each segment (>= 0)
+    key_start:    [N] or None: each row's first visible key of its segment
+                  (``PrefixBatch.key_start``)
     """
     flat = np.asarray(rows, dtype=np.int64)
     starts = np.asarray(row_start, dtype=np.int64)
@@ -486,6 +506,11 @@ def prefix_batch_arrays(
             raise ValueError("a q row is in two segments of one batch")
     used = _used_blocks("block_tables", tables, sizes, block_size, num_blocks)
     counts = np.diff(starts)
+    firsts = None
+    if key_start is not None:
+        firsts = np.asarray(key_start, dtype=np.int64)
+        if firsts.shape != flat.shape:
+            raise ValueError(f"key_start must be [{flat.shape[0]}] like rows, got {firsts.shape}")
     return PrefixBatch(
         rows=device_tensor(flat, device),
         row_start=device_tensor(starts.astype(np.int32), device),
@@ -499,6 +524,8 @@ def prefix_batch_arrays(
         host_rows=tuple(flat.tolist()),
         host_row_start=tuple(starts.tolist()),
         host_lengths=tuple(sizes.tolist()),
+        key_start=None if firsts is None else device_tensor(firsts.astype(np.int32), device),
+        host_key_start=None if firsts is None else tuple(firsts.tolist()),
     )
 
 
@@ -511,6 +538,7 @@ def prefix_batch(
     block_size: int,
     num_blocks: int,
     device: torch.device | str = "cpu",
+    key_start: Sequence[Sequence[int]] | None = None,
 ) -> PrefixBatch:
     """Validate one level of shared segments on the host and put it on ``device``.
 
@@ -519,6 +547,7 @@ def prefix_batch(
                     entries past ceil(length / block_size) are ignored)
     lengths:        per segment, its tokens (>= 0; 0 contributes nothing)
     num_rows:       T, rows of the q this batch will be used with
+    key_start:      per segment, each of its rows' first visible key (``PrefixBatch``)
     """
     num_rows = _check_count("num_rows", num_rows, 0)
     block_size = _check_count("block_size", block_size, 1)
@@ -539,7 +568,10 @@ def prefix_batch(
         for s, (table, length) in enumerate(zip(tables, sizes))
     ]
     shape = {"num_rows": num_rows, "block_size": block_size, "num_blocks": num_blocks}
-    return _segment_batch(row_lists, sizes, _table(used, device), None, device=device, **shape)
+    firsts = None if key_start is None else _int_list("key_start", key_start, 2)
+    return _segment_batch(
+        row_lists, sizes, _table(used, device), None, device=device, key_start=firsts, **shape
+    )
 
 
 def _segment_batch(
@@ -552,6 +584,7 @@ def _segment_batch(
     block_size: int,
     num_blocks: int,
     device: torch.device | str,
+    key_start: list[list[int]] | None = None,
 ) -> PrefixBatch:
     """The PrefixBatch of prefix_batch and chain_batch, after checking that every row lies
     in [0, num_rows) and in at most one segment."""
@@ -565,6 +598,11 @@ def _segment_batch(
             seen.add(row)
     flat = [row for rows in row_lists for row in rows]
     starts = list(itertools.accumulate((len(rows) for rows in row_lists), initial=0))
+    firsts = None
+    if key_start is not None:
+        if [len(k) for k in key_start] != [len(rows) for rows in row_lists]:
+            raise ValueError("key_start must hold one entry per row of every segment")
+        firsts = tuple(first for keys in key_start for first in keys)
     return PrefixBatch(
         rows=torch.tensor(flat, dtype=torch.int64, device=device),
         row_start=torch.tensor(starts, dtype=torch.int32, device=device),
@@ -579,6 +617,10 @@ def _segment_batch(
         host_row_start=tuple(starts),
         host_lengths=tuple(sizes),
         slot_tables=slot_tables,
+        key_start=None
+        if firsts is None
+        else torch.tensor(firsts, dtype=torch.int32, device=device),
+        host_key_start=firsts,
     )
 
 
@@ -590,6 +632,7 @@ def chain_batch(
     block_size: int,
     num_blocks: int,
     device: torch.device | str = "cpu",
+    key_start: Sequence[Sequence[int]] | None = None,
 ) -> PrefixBatch:
     """Every level of the segment chains in one batch (torch path only): like
     ``prefix_batch``, but each entry is a whole chain, its keys the tokens of its
@@ -599,6 +642,7 @@ def chain_batch(
     chain_rows:     per chain, the q rows that read it (each row in at most one chain)
     chain_segments: per chain, its segments outermost first, each (blocks, length)
     num_rows:       T, rows of the q this batch will be used with
+    key_start:      per chain, each row's first visible key (``PrefixBatch.key_start``)
     """
     num_rows = _check_count("num_rows", num_rows, 0)
     block_size = _check_count("block_size", block_size, 1)
@@ -623,7 +667,10 @@ def chain_batch(
     no_blocks = torch.zeros((len(sizes), 0), dtype=torch.int32, device=device)
     slot_tables = _table(slot_lists, device).long()
     shape = {"num_rows": num_rows, "block_size": block_size, "num_blocks": num_blocks}
-    return _segment_batch(row_lists, sizes, no_blocks, slot_tables, device=device, **shape)
+    firsts = None if key_start is None else _int_list("key_start", key_start, 2)
+    return _segment_batch(
+        row_lists, sizes, no_blocks, slot_tables, device=device, key_start=firsts, **shape
+    )
 
 
 def check_launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, batch, kind: type) -> int:
@@ -644,3 +691,66 @@ def check_launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, batch, kind: type)
     if batch_device != q.device:
         raise ValueError(f"the batch is on {batch_device} but q on {q.device}")
     return group
+
+
+def windowed(
+    own: OwnBatch,
+    prefixes: Sequence[PrefixBatch],
+    positions: np.ndarray,
+    segment_starts: Sequence[np.ndarray],
+    window: int,
+    *,
+    drop: bool = True,
+) -> tuple[OwnBatch, list[PrefixBatch]]:
+    """A step's batches for sliding-window layers: a query at position p sees keys at
+    positions p - window + 1 .. p only (Hugging Face's sliding window).
+
+    positions:      [T] each q row's position in its sequence (shared prefix included)
+    segment_starts: per batch of ``prefixes``, [S] the position of each segment's first key
+                    (0 for a ``chain_batch``, whose chains start at the sequence's start)
+    drop:           leave a row out of a segment its window misses wholly (the segment is
+                    skipped, not masked); False keeps every row (the batch-invariant CPU
+                    mode, whose items follow the window-less layout)
+
+    The own batch gets ``window`` (its rows' own keys are in the same coordinates as their
+    positions, shifted by the prefix, so the window applies as is); each prefix batch
+    gets ``key_start`` per row: ``position - window + 1 - segment start``.
+    """
+    import dataclasses
+
+    window = _check_count("window", window, 1)
+    positions = np.asarray(positions, dtype=np.int64)
+    if positions.shape != (own.num_rows,):
+        raise ValueError(f"positions must be [{own.num_rows}], got {positions.shape}")
+    if len(segment_starts) != len(prefixes):
+        raise ValueError("segment_starts must have one entry per prefix batch")
+    own = dataclasses.replace(own, window=window, derived={})
+    batches = []
+    for prefix, starts in zip(prefixes, segment_starts):
+        rows = np.asarray(prefix.host_rows, dtype=np.int64)
+        row_start = np.asarray(prefix.host_row_start, dtype=np.int64)
+        lengths = np.asarray(prefix.host_lengths, dtype=np.int64)
+        counts = np.diff(row_start)
+        segment_of = np.repeat(np.arange(len(lengths)), counts)
+        first = positions[rows] - window + 1 - np.asarray(starts, dtype=np.int64)[segment_of]
+        if drop:
+            keep = first < lengths[segment_of]
+            rows, first, segment_of = rows[keep], first[keep], segment_of[keep]
+            counts = np.bincount(segment_of, minlength=len(lengths))
+            row_start = np.zeros(len(lengths) + 1, dtype=np.int64)
+            np.cumsum(counts, out=row_start[1:])
+        device = prefix.block_tables.device
+        batches.append(
+            dataclasses.replace(
+                prefix,
+                rows=device_tensor(rows, device),
+                row_start=device_tensor(row_start.astype(np.int32), device),
+                max_segment_rows=int(counts.max()) if counts.size else 0,
+                host_rows=tuple(rows.tolist()),
+                host_row_start=tuple(row_start.tolist()),
+                key_start=device_tensor(first.astype(np.int32), device),
+                host_key_start=tuple(first.tolist()),
+                derived={},
+            )
+        )
+    return own, batches

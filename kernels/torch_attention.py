@@ -139,6 +139,7 @@ def _attend(
     bias: Tensor | None,
     causal: bool,
     small: bool,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Softmax attention in fp32 per piece and head.
 
@@ -147,6 +148,7 @@ def _attend(
     bias:    [P, 1, rows or 1, keys] fp32, 0 where visible and -inf where masked, or None
     causal:  row i sees keys 0..i (rows == keys; applied besides any bias)
     small:   not causal and little work (``_is_small``): plain matmuls, keys contiguous
+    softcap: scaled scores become softcap * tanh(scores / softcap) before the mask (Gemma 2)
     Returns out [P, heads, rows, dim], lse [P, heads, rows]. Every valid row sees >= 1 key
     (rows that see none are padding, dropped by the caller).
     """
@@ -158,6 +160,8 @@ def _attend(
         # query heads of one KV head are packed into the rows, so K/V are read as they are.
         packed = queries.reshape(pieces, num_kv_heads, group * rows, head_dim)
         scores = torch.matmul(packed, keys.transpose(-1, -2)).mul_(scale)  # [P, kv, g * R, L]
+        if softcap is not None:
+            scores = scores.div_(softcap).tanh_().mul_(softcap)
         if bias is not None:  # [P, 1, R or 1, L]: the same for every head of the group
             scores = scores.view(pieces, num_kv_heads, group, rows, num_keys).add_(
                 bias.unsqueeze(1)
@@ -169,13 +173,17 @@ def _attend(
         out = torch.matmul(weights, values).div_(total)  # [P, kv, g * R, dim]
         lse = top.add_(total.log_()).squeeze(-1)  # [P, kv, g * R]
         return out.view(pieces, num_heads, rows, head_dim), lse.view(pieces, num_heads, rows)
-    on_cpu = _FLASH_CPU is not None and queries.device.type == "cpu"
+    on_cpu = _FLASH_CPU is not None and queries.device.type == "cpu" and softcap is None
     if group > 1 and not (on_cpu and _FLASH_GQA):
         keys = keys.repeat_interleave(group, dim=1)  # [P, heads, keys, dim]
         values = values.repeat_interleave(group, dim=1)
     if on_cpu:
         return _FLASH_CPU(queries, keys, values, is_causal=causal, attn_mask=bias, scale=scale)[:2]
-    scores = torch.matmul(queries * scale, keys.transpose(-1, -2))  # [P, heads, rows, keys]
+    if softcap is None:
+        scores = torch.matmul(queries * scale, keys.transpose(-1, -2))  # [P, heads, rows, keys]
+    else:  # as HF: scaled scores, then capped
+        scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(scale)
+        scores = scores.div_(softcap).tanh_().mul_(softcap)
     if bias is not None:
         scores += bias
     if causal:
@@ -221,6 +229,9 @@ class _Piece(NamedTuple):
     table: int  # row of the batch's block_tables
     rows: tuple[int, ...]  # q row indices
     key_len: int
+    # sliding window: each row's first visible key (None: key 0); the keys before the
+    # lowest are not read at all
+    lows: tuple[int, ...] | None = None
 
 
 class _Group(NamedTuple):
@@ -289,33 +300,43 @@ def _pad_group(
 
     counts = column(len(p.rows) for p in pieces)  # [P]
     key_len = column(p.key_len for p in pieces)  # [P]
-    max_rows, max_keys = int(counts.max()), int(key_len.max())
+    windowed = any(p.lows is not None for p in pieces)
+    # the first key each piece reads (its lowest row's window start; 0 without a window)
+    begin = column(max(0, min(p.lows)) if p.lows else 0 for p in pieces)  # [P]
+    span = key_len - begin  # [P] keys read
+    max_rows, max_keys = int(counts.max()), int(span.max())
     row_lists = [list(p.rows) + [0] * (max_rows - len(p.rows)) for p in pieces]
     row_index = torch.tensor(row_lists, dtype=torch.long, device=device)  # [P, R]
     row = torch.arange(max_rows, device=device)  # [R]
     key = torch.arange(max_keys, device=device)  # [L]
+    absolute = begin[:, None] + key  # [P, L] the key's index in the piece's keys
     row_valid = row < counts[:, None]  # [P, R]
-    # Padding keys (past key_len) read position 0 instead: a written, finite token
+    # Padding keys (past key_len) read the first key read instead: a written, finite token
     # whose score the mask drops. Stale slots (even NaN) and table padding are never read.
-    key_position = torch.where(key < key_len[:, None], key, 0)  # [P, L]
+    key_position = torch.where(key < span[:, None], absolute, begin[:, None])  # [P, L]
     if slot_tables is not None:  # a chain batch: each piece's key slots are listed
         slots = slot_tables[column(p.table for p in pieces)].gather(1, key_position)  # [P, L]
     else:
         table = block_tables[column(p.table for p in pieces)].long()  # [P, max_blocks]
         block_ids = table.gather(1, key_position // block_size)  # [P, L]
         slots = block_ids * block_size + key_position % block_size  # [P, L]
-    square = causal and all(len(p.rows) == p.key_len for p in pieces)
+    square = causal and not windowed and all(len(p.rows) == p.key_len for p in pieces)
     if square:
         # Fresh chunks: row i sees own positions 0..i, padding rows and keys come last.
         hidden = None
     elif causal:
         # Row i of a piece sits at position key_len - rows + i.
         position = key_len[:, None] - counts[:, None] + row  # [P, R]
-        hidden = key > position[:, :, None]  # [P, R, L]
-    elif bool((key_len < max_keys).any()):
-        hidden = (key >= key_len[:, None])[:, None, :]  # [P, 1, L]
+        hidden = absolute[:, None, :] > position[:, :, None]  # [P, R, L]
+    elif bool((span < max_keys).any()):
+        hidden = (key >= span[:, None])[:, None, :]  # [P, 1, L]
     else:
         hidden = None
+    if windowed:  # keys before a row's window start are masked too
+        lows = [list(p.lows or [0] * len(p.rows)) for p in pieces]
+        low = torch.tensor([r + [0] * (max_rows - len(r)) for r in lows], device=device)
+        before = absolute[:, None, :] < low[:, :, None]  # [P, R, L]
+        hidden = before if hidden is None else hidden | before
     bias = None
     if hidden is not None:
         zeros = torch.zeros(hidden.shape, dtype=torch.float32, device=device)
@@ -330,7 +351,12 @@ def _pad_group(
 
 
 def _run_groups(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, groups: list[_Group], scale: float
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    groups: list[_Group],
+    scale: float,
+    softcap: float | None = None,
 ) -> AttentionOutput:
     num_rows, num_heads, head_dim = q.shape
     if len(groups) == 1 and groups[0].identity:  # one group holds every row, in order
@@ -343,7 +369,9 @@ def _run_groups(
         keys = _gather_slots(k_cache, g, small)  # [P, kv, L, dim] fp32
         values = _gather_slots(v_cache, g, small)
         queries = _group_queries(q, g)  # [P, heads, R, dim] fp32
-        group_out, group_lse = _attend(queries, keys, values, scale, g.bias, g.causal, small)
+        group_out, group_lse = _attend(
+            queries, keys, values, scale, g.bias, g.causal, small, softcap
+        )
         # [P, heads, R, dim] -> [P * R, heads, dim]; [P, heads, R] -> [P * R, heads]
         group_out = group_out.transpose(1, 2).reshape(-1, num_heads, head_dim).to(q.dtype)
         group_lse = group_lse.transpose(1, 2).reshape(-1, num_heads)
@@ -388,26 +416,40 @@ def _groups(batch: OwnBatch | PrefixBatch, num_heads: int, num_kv_heads: int, he
 
 def _own_pieces(batch: OwnBatch, tile: int) -> list[_Piece]:
     """Each request's rows in tiles; a tile's last row sees its own position + 1 keys."""
-    starts, lengths = batch.host_query_start, batch.host_context_lens
+    starts, lengths, window = batch.host_query_start, batch.host_context_lens, batch.window
     pieces = []
     for b, length in enumerate(lengths):
         first, count = starts[b], starts[b + 1] - starts[b]
         for offset in range(0, count, tile):
             rows = min(tile, count - offset)
             key_len = length - count + offset + rows
-            pieces.append(_Piece(b, tuple(range(first + offset, first + offset + rows)), key_len))
+            lows = None
+            if window and key_len > window:  # row i sits at key_len - rows + i
+                lows = tuple(range(key_len - rows - window + 1, key_len - window + 1))
+            rows_of = tuple(range(first + offset, first + offset + rows))
+            pieces.append(_Piece(b, rows_of, key_len, lows))
     return pieces
 
 
 def _prefix_pieces(batch: PrefixBatch, tile: int) -> list[_Piece]:
     """Each segment's rows in tiles, every row seeing the whole segment."""
-    starts, rows = batch.host_row_start, batch.host_rows
+    starts, rows, firsts = batch.host_row_start, batch.host_rows, batch.host_key_start
     pieces = []
     for s, length in enumerate(batch.host_lengths):
         if length == 0:
             continue  # sees no key: out 0, lse -inf
-        for first in range(starts[s], starts[s + 1], tile):
-            pieces.append(_Piece(s, rows[first : min(first + tile, starts[s + 1])], length))
+        if firsts is None:
+            for first in range(starts[s], starts[s + 1], tile):
+                pieces.append(_Piece(s, rows[first : min(first + tile, starts[s + 1])], length))
+            continue
+        # sliding window: rows that see none of the segment are left out (out 0, lse -inf)
+        seen = [i for i in range(starts[s], starts[s + 1]) if firsts[i] < length]
+        for first in range(0, len(seen), tile):
+            tile_of = seen[first : first + tile]
+            lows = tuple(firsts[i] for i in tile_of)
+            pieces.append(
+                _Piece(s, tuple(rows[i] for i in tile_of), length, lows if max(lows) > 0 else None)
+            )
     return pieces
 
 
@@ -415,7 +457,12 @@ def _prefix_pieces(batch: PrefixBatch, tile: int) -> list[_Piece]:
 
 
 def own_attention(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, batch: OwnBatch, scale: float
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    batch: OwnBatch,
+    scale: float,
+    softcap: float | None = None,
 ) -> AttentionOutput:
     """Each request's query rows against its own paged K/V, causal, variable length.
 
@@ -434,11 +481,16 @@ def own_attention(
     scale = check_scale(scale)
     num_heads, head_dim = q.shape[1], q.shape[2]
     groups = _groups(batch, num_heads, k_cache.shape[2], head_dim)
-    return _run_groups(q, k_cache, v_cache, groups, scale)
+    return _run_groups(q, k_cache, v_cache, groups, scale, softcap)
 
 
 def prefix_attention(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, batch: PrefixBatch, scale: float
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    batch: PrefixBatch,
+    scale: float,
+    softcap: float | None = None,
 ) -> AttentionOutput:
     """The query rows of every request sharing a prefix segment against ONE copy of its
     K/V, non-causal, for every segment of the batch.
@@ -460,7 +512,7 @@ def prefix_attention(
     scale = check_scale(scale)
     num_heads, head_dim = q.shape[1], q.shape[2]
     groups = _groups(batch, num_heads, k_cache.shape[2], head_dim)
-    return _run_groups(q, k_cache, v_cache, groups, scale)
+    return _run_groups(q, k_cache, v_cache, groups, scale, softcap)
 
 
 def merge_attention_states(parts: Sequence[tuple[Tensor, Tensor]]) -> AttentionOutput:

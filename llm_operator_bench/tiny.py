@@ -28,6 +28,10 @@ TINY_VOCAB_TARGET = 512
 TINY_INITIALIZER_RANGE = 0.2
 # Families the native engine's own forward supports (tests of llm_operator.models.llama).
 NATIVE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+# Families with sliding-window layers (and Gemma's norms, Gemma 2's soft caps, Phi-3's fused
+# checkpoint), each with a window of TINY_WINDOW tokens: shorter than the test prompts.
+WINDOW_FAMILIES = ("gemma3", "gemma2", "mistral_window", "phi3", "qwen2_mixed")
+TINY_WINDOW = 12
 
 
 def build_tiny_tokenizer(
@@ -96,6 +100,9 @@ def tiny_config(
     """
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
+    if family in WINDOW_FAMILIES:
+        return _window_config(family, vocab_size, eos_token_id)
+
     shared = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -130,6 +137,61 @@ def tiny_config(
     raise ValueError(f"family={family!r} is not one of {NATIVE_FAMILIES}")
 
 
+def _window_config(family: str, vocab_size: int, eos_token_id: int):
+    """A tiny config of a sliding-window family (``WINDOW_FAMILIES``): hidden 64, 4 heads,
+    2 kv heads of 16 dims, windows of TINY_WINDOW tokens."""
+    from transformers import Gemma2Config, Gemma3TextConfig, MistralConfig, Phi3Config, Qwen2Config
+
+    shared = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=TINY_INITIALIZER_RANGE,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,
+        sliding_window=TINY_WINDOW,
+    )
+    if family == "gemma3":  # two sliding layers, a global one, a sliding one
+        return Gemma3TextConfig(
+            num_hidden_layers=4,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                         "sliding_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            },
+            **shared,
+        )  # fmt: skip
+    if family == "gemma2":  # soft caps on the scores and the logits
+        return Gemma2Config(
+            num_hidden_layers=2,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+            **shared,
+        )
+    if family == "mistral_window":
+        return MistralConfig(num_hidden_layers=2, tie_word_embeddings=False, **shared)
+    if family == "phi3":
+        return Phi3Config(num_hidden_layers=2, tie_word_embeddings=False, **shared)
+    if family == "qwen2_mixed":  # layer 0 full attention, layer 1 sliding
+        return Qwen2Config(
+            num_hidden_layers=2,
+            tie_word_embeddings=False,
+            use_sliding_window=True,
+            max_window_layers=1,
+            **shared,
+        )
+    raise ValueError(f"family={family!r} is not one of {WINDOW_FAMILIES}")
+
+
 def build_tiny_model(
     output_dir: Path,
     family: str,
@@ -147,6 +209,11 @@ def build_tiny_model(
     config = tiny_config(family, len(tokenizer), eos_token_id, rope_parameters=rope_parameters)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family in ("gemma2", "gemma3"):  # Gemma's norms start at weight 0 (a factor 1): vary them
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    parameter.normal_(0.0, TINY_INITIALIZER_RANGE)
     model.generation_config = GenerationConfig(
         eos_token_id=eos_token_id, pad_token_id=eos_token_id, do_sample=False
     )

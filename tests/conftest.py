@@ -35,6 +35,7 @@ from helpers import (  # noqa: E402
     LLAMA3_ROPE_PARAMETERS,
     NATIVE_FAMILIES,
     TINY_FAMILIES,
+    WINDOW_FAMILIES,
     build_tiny_model,
     build_tiny_tokenizer,
 )
@@ -156,6 +157,22 @@ def tiny_llama3_rope_dir(
 def tiny_model_dir(request: pytest.FixtureRequest) -> Path:
     """Each tiny model directory in turn: llama, qwen2, mistral."""
     return request.getfixturevalue(f"tiny_{request.param}_dir")
+
+
+@pytest.fixture(scope="session")
+def window_family_dirs(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path):
+    """Tiny random models of every sliding-window family (``WINDOW_FAMILIES``), built on
+    first use: family -> directory."""
+    root = tmp_path_factory.mktemp("window_families")
+    built: dict[str, Path] = {}
+
+    def build(family: str) -> Path:
+        if family not in built:
+            seed = 7000 + WINDOW_FAMILIES.index(family)
+            built[family] = build_tiny_model(root / family, family, tiny_tokenizer_dir, seed)
+        return built[family]
+
+    return build
 
 
 @pytest.fixture(scope="session", params=NATIVE_FAMILIES)

@@ -21,6 +21,8 @@ from llm_operator_bench.tiny import (  # noqa: F401 (the tests import them from 
     SPECIAL_TOKENS,
     TINY_INITIALIZER_RANGE,
     TINY_VOCAB_TARGET,
+    TINY_WINDOW,
+    WINDOW_FAMILIES,
     build_tiny_model,
     build_tiny_tokenizer,
     tiny_config,

@@ -153,21 +153,23 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_qwen2_dir):
     assert [r.token_ids for r in one_by_one] == [r.token_ids for r in together]
 
 
-def _windowed_copy(tiny_llama_dir, tmp_path):
+def _unsupported_copy(tiny_llama_dir, tmp_path):
+    """The tiny Llama with biases on its MLP: HF runs it (the biases load as new weights),
+    the native engine does not."""
     import json
     import shutil
 
-    copy = tmp_path / "windowed"
+    copy = tmp_path / "mlp_bias"
     shutil.copytree(tiny_llama_dir, copy)
     config = json.loads((copy / "config.json").read_text())
-    config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=8)
+    config.update(mlp_bias=True)
     (copy / "config.json").write_text(json.dumps(config))
     return copy
 
 
 def test_native_refuses_what_it_cannot_run(tiny_llama_dir, tmp_path):
-    op = LLMOperator(_windowed_copy(tiny_llama_dir, tmp_path), backend="native")
-    with pytest.raises(ValueError, match="sliding-window"):
+    op = LLMOperator(_unsupported_copy(tiny_llama_dir, tmp_path), backend="native")
+    with pytest.raises(ValueError, match="mlp_bias=True is not supported"):
         op.generate(["Why"], SamplingParams(max_tokens=2))
 
 
@@ -178,7 +180,7 @@ def test_auto_runs_native_where_supported_and_hf_elsewhere(
     assert op.backend_name == "native"
     op.generate(["Why"], SamplingParams(max_tokens=2))
     assert op.last_stats.backend == "native"
-    windowed = LLMOperator(_windowed_copy(tiny_llama_dir, tmp_path))
+    windowed = LLMOperator(_unsupported_copy(tiny_llama_dir, tmp_path))
     assert windowed.backend_name == "hf"
     result = windowed.generate(["Why"], SamplingParams(max_tokens=2))[0]
     assert result.finish_reason != "error" and windowed.last_stats.backend == "hf"

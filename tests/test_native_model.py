@@ -163,7 +163,7 @@ def test_native_config_rejects_what_it_cannot_run() -> None:
 
     with pytest.raises(ValueError, match=r"model_type='gpt2'.*'llama', 'qwen2', 'qwen3'"):
         native_config(GPT2Config())
-    assert SUPPORTED_MODEL_TYPES == ("llama", "qwen2", "qwen3", "mistral")
+    assert SUPPORTED_MODEL_TYPES[:4] == ("llama", "qwen2", "qwen3", "mistral")
     longrope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8}
     longrope |= {"long_factor": [2.0] * 8, "original_max_position_embeddings": 128}
     config = tiny_config("llama", 512, 0)
@@ -172,7 +172,9 @@ def test_native_config_rejects_what_it_cannot_run() -> None:
         native_config(config)
     qwen2 = tiny_config("qwen2", 512, 0)
     qwen2.sliding_window, qwen2.layer_types = 64, ["full_attention", "sliding_attention"]
-    with pytest.raises(ValueError, match="mixes sliding-window and full-attention"):
+    assert native_config(qwen2).layer_windows == (None, 64)  # mixed layers run (issue 32)
+    qwen2.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(ValueError, match="chunked_attention"):
         native_config(qwen2)
     qwen2.layer_types = ["sliding_attention"] * 2
     assert native_config(qwen2).sliding_window == 64

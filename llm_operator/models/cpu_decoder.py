@@ -75,6 +75,9 @@ class CompiledDecoder:
             and cpu_extension.loaded() is not None
             and config.num_layers > 0
             and all(layer.fuse_activation for layer in model.layers)
+            and not config.gemma  # Llama's layer structure only
+            and config.attn_softcap is None
+            and len(set(config.layer_windows)) == 1  # one attention layout for every layer
             and all(packed is not None for _, packed, _ in self.projections)
         )
         # (gemm, rows.bit_length()) -> all projections packed
@@ -118,12 +121,13 @@ class CompiledDecoder:
         ``LlamaModel.forward`` returns it; stores the step's K/V in the caches. ``seconds``:
         float64 [4] accumulating (linear, attention, kv_store, elementwise) seconds."""
         model, config = self.model, self.config
-        hidden = model.embed_tokens(input_ids)  # [T, hidden_size]
+        hidden = model.embed(input_ids)  # [T, hidden_size]
         cos, sin = model.rotary(positions, hidden.dtype)  # [T, head_dim] each
         work = step.work
         return step.module.decoder_forward(
             hidden, cos.contiguous(), sin.contiguous(), self.layers, model.norm.weight,
             k_caches, v_caches, step.slot_mapping, work.tables, work.items, work.item_rows,
+            work.item_first,
             config.num_heads, config.num_kv_heads, config.intermediate_size, config.rms_norm_eps,
             config.scale,
             step.split_keys,

@@ -35,7 +35,7 @@ def read_model_info(path: Path, tokenizer, *, trust_remote_code: bool = False) -
         config,
         max_context,
         eos_token_ids(load_generation_config(path), tokenizer),
-        _native_unsupported(config, max_context),
+        _native_unsupported(config),
     )
 
 
@@ -61,18 +61,13 @@ def eos_token_ids(generation_config, tokenizer) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else eos)
 
 
-def _native_unsupported(config, max_context: int) -> str | None:
+def _native_unsupported(config) -> str | None:
     from llm_operator.models.llama import native_config
 
     try:
-        native = native_config(config)
+        native_config(config)
     except ValueError as error:
         return str(error)
-    if native.sliding_window is not None and native.sliding_window < max_context:
-        return (
-            f"backend='native' does not run sliding-window attention (window "
-            f"{native.sliding_window} < context {max_context}); use backend='hf'"
-        )
     return None
 
 

@@ -1,4 +1,5 @@
-"""The native engine's own forward for Llama-family models: Llama, Qwen2, Qwen3, Mistral.
+"""The native engine's own forward for Llama-family models: Llama, Qwen2, Qwen3, Mistral,
+Phi-3, Gemma 2 and Gemma 3.
 
 Token-packed: one forward takes the rows of many requests concatenated ([T]
 input_ids and positions, no padding, no batch axis). The model knows nothing of
@@ -12,11 +13,21 @@ The elementwise work between the linear layers (norms, residual adds, q/k/v spli
 RoPE, SiLU(gate) * up) runs as three fused regions per layer, compiled ahead of time by
 inductor unless LLM_OPERATOR_COMPILE=0 (models/fused.py); linears and attention stay eager.
 
-    family   q/k/v bias  o_proj bias      q/k RMSNorm  sliding window
-    llama    config      config           -            -
-    qwen2    yes         -                -            layer_types (all or none)
-    qwen3    config      config           per head     layer_types (all or none)
-    mistral  -           -                -            config.sliding_window
+    family       q/k/v bias  o_proj bias  q/k RMSNorm  sliding window
+    llama        config      config       -            -
+    qwen2        yes         -            -            layer_types
+    qwen3        config      config       per head     layer_types
+    mistral      -           -            -            config.sliding_window (every layer)
+    phi3         -           -            -            config.sliding_window (every layer)
+    gemma2       config      config       -            layer_types
+    gemma3_text  config      config       per head     layer_types
+
+Phi-3's checkpoints hold qkv_proj and gate_up_proj already fused. Gemma ("gemma" below):
+RMSNorms scale by (1 + weight) in fp32 (``GemmaNorm``), the attention and the MLP each have
+a norm before and after them, the activation is GeGLU, the embedding is scaled by
+sqrt(hidden_size) (rounded to the model dtype), the softmax scale is
+query_pre_attn_scalar ** -0.5; Gemma 3 rotates sliding-window layers with a local base;
+Gemma 2 soft-caps the attention scores (torch attention only) and the logits.
 """
 
 from __future__ import annotations
@@ -34,9 +45,16 @@ from torch import Tensor, nn
 from llm_operator.models import fused
 from llm_operator.models.fused import FusedOps
 from llm_operator.models.gemm import DEFAULT_GEMM, GemmChoice, pack_weight
-from llm_operator.models.rope import RotaryEmbedding, rope_inverse_frequencies, rope_type
+from llm_operator.models.rope import (
+    RotaryEmbedding,
+    apply_rotary,
+    per_layer_type,
+    rope_inverse_frequencies,
+    rope_type,
+)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text")
+GEMMA_TYPES = ("gemma2", "gemma3_text")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # attention(layer_index, q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim],
@@ -52,8 +70,8 @@ AttentionFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 class NativeConfig:
     """The shape of a Llama-family model, as the native engine needs it.
 
-    sliding_window: None when every layer attends to all earlier tokens; else every
-    layer lets a query at position p see keys at positions > p - sliding_window (HF).
+    layer_windows: per layer, None when it attends to all earlier tokens, else its
+    window w: a query at position p sees keys at positions > p - w (HF's sliding window).
     """
 
     model_type: str
@@ -67,14 +85,30 @@ class NativeConfig:
     rms_norm_eps: float
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projections have a bias
-    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
-    sliding_window: int | None
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3, Gemma 3)
+    layer_windows: tuple[int | None, ...]
     max_position_embeddings: int
+    hidden_act: str = "silu"
+    gemma: bool = False  # Gemma's norms, GeGLU, scaled embedding (module docstring)
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    fused_checkpoint: bool = False  # qkv_proj and gate_up_proj stored fused (Phi-3)
+    local_rope: bool = False  # sliding-window layers have their own rope (Gemma 3)
 
     @property
     def scale(self) -> float:
-        """Softmax scale of q.k: head_dim ** -0.5 (no attention multipliers in these families)."""
-        return self.head_dim**-0.5
+        """Softmax scale of q.k: head_dim ** -0.5 unless the config says otherwise."""
+        return self.head_dim**-0.5 if self.attention_scale is None else self.attention_scale
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of the sliding-window layers (one for all), or None without any."""
+        windows = {w for w in self.layer_windows if w is not None}
+        return max(windows) if windows else None
+
+    def window_of(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if layer < len(self.layer_windows) else None
 
 
 def native_config(hf_config: Any) -> NativeConfig:
@@ -83,25 +117,42 @@ def native_config(hf_config: Any) -> NativeConfig:
 
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
+        hint = ""
+        if model_type == "gemma3":
+            hint = " (the multimodal Gemma 3; its text model, model_type 'gemma3_text', runs)"
         raise ValueError(
-            f"model_type={model_type!r} is not supported by the native engine; supported model "
-            f"types: {SUPPORTED_MODEL_TYPES} (use backend='hf' for other models)"
+            f"model_type={model_type!r} is not supported by the native engine{hint}; supported "
+            f"model types: {SUPPORTED_MODEL_TYPES} (use backend='hf' for other models)"
         )
-    rope_type(hf_config)  # raises for unsupported rope types
+    gemma = model_type in GEMMA_TYPES
+    local_rope = per_layer_type(hf_config)
+    if local_rope:
+        for kind in sorted(set(getattr(hf_config, "layer_types", None) or [])):
+            rope_type(hf_config, kind)  # raises for unsupported rope types
+    else:
+        rope_type(hf_config)  # raises for unsupported rope types
     if getattr(hf_config, "mlp_bias", False):
         raise ValueError(f"model_type={model_type!r} with mlp_bias=True is not supported")
-    if hf_config.hidden_act not in ACT2FN:
-        raise ValueError(f"hidden_act={hf_config.hidden_act!r} is not a transformers activation")
+    if getattr(hf_config, "use_bidirectional_attention", False):
+        raise ValueError(
+            f"model_type={model_type!r} with use_bidirectional_attention=True (an encoder) is "
+            "not supported by the native engine"
+        )
+    hidden_act = getattr(hf_config, "hidden_activation", None) if gemma else None
+    hidden_act = hidden_act or hf_config.hidden_act
+    if hidden_act not in ACT2FN:
+        raise ValueError(f"hidden_act={hidden_act!r} is not a transformers activation")
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     if num_heads % num_kv_heads:
         raise ValueError(f"num_attention_heads={num_heads} is not a multiple of {num_kv_heads=}")
     if model_type == "qwen2":
         attention_bias = True
-    elif model_type == "mistral":
+    elif model_type in ("mistral", "phi3"):
         attention_bias = False
     else:
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
+    scalar = getattr(hf_config, "query_pre_attn_scalar", None) if gemma else None
     return NativeConfig(
         model_type=model_type,
         vocab_size=hf_config.vocab_size,
@@ -114,28 +165,40 @@ def native_config(hf_config: Any) -> NativeConfig:
         rms_norm_eps=float(hf_config.rms_norm_eps),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         attention_bias=attention_bias,
-        qk_norm=model_type == "qwen3",
-        sliding_window=_sliding_window(hf_config, model_type),
+        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        layer_windows=_layer_windows(hf_config, model_type),
         max_position_embeddings=hf_config.max_position_embeddings,
+        hidden_act=hidden_act,
+        gemma=gemma,
+        attention_scale=None if scalar is None else float(scalar) ** -0.5,
+        attn_softcap=_cap(getattr(hf_config, "attn_logit_softcapping", None)),
+        final_softcap=_cap(getattr(hf_config, "final_logit_softcapping", None)),
+        fused_checkpoint=model_type == "phi3",
+        local_rope=local_rope,
     )
 
 
-def _sliding_window(hf_config: Any, model_type: str) -> int | None:
+def _cap(value: Any) -> float | None:
+    return None if value in (None, 0, 0.0) else float(value)
+
+
+def _layer_windows(hf_config: Any, model_type: str) -> tuple[int | None, ...]:
+    layers = hf_config.num_hidden_layers
     window = getattr(hf_config, "sliding_window", None)
     if model_type == "llama" or window is None:
-        return None
-    if model_type == "mistral":
-        return int(window)
-    # qwen2 / qwen3: layers at index >= max_window_layers slide when use_sliding_window.
-    layer_types = set(getattr(hf_config, "layer_types", None) or ["full_attention"])
-    if layer_types == {"full_attention"}:
-        return None
-    if layer_types == {"sliding_attention"}:
-        return int(window)
-    raise ValueError(
-        f"model_type={model_type!r} mixes sliding-window and full-attention layers "
-        f"(layer_types={sorted(layer_types)}); the native engine supports one kind for all layers"
-    )
+        return (None,) * layers
+    if model_type in ("mistral", "phi3"):  # every layer slides
+        return (int(window),) * layers
+    # qwen2 / qwen3 (layers at index >= max_window_layers slide when use_sliding_window),
+    # gemma2 / gemma3: per layer, as layer_types says
+    layer_types = list(getattr(hf_config, "layer_types", None) or ["full_attention"] * layers)
+    unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+    if unknown or len(layer_types) != layers:
+        raise ValueError(
+            f"model_type={model_type!r}: layer_types={sorted(set(layer_types))} for {layers} "
+            "layers; the native engine runs full_attention and sliding_attention layers"
+        )
+    return tuple(int(window) if kind == "sliding_attention" else None for kind in layer_types)
 
 
 class Linear(nn.Linear):
@@ -162,6 +225,35 @@ class RMSNorm(nn.Module):
         return fused.rms_norm(x, self.weight, self.eps)
 
 
+class GemmaNorm(RMSNorm):
+    """Gemma's RMSNorm: normalize in fp32, times (1 + weight) in fp32, then cast back. The
+    parameter holds 1 + weight in fp32, computed at load time from the weight in the model
+    dtype (as HF computes it per call); in fp32 models that is ``fused.rms_norm``'s
+    arithmetic with that weight, bit for bit, so the fused regions run it."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return gemma_norm(x, self.weight, self.eps)
+
+
+def gemma_norm(x: Tensor, weight: Tensor, eps: float, ops: FusedOps = fused.EAGER_OPS) -> Tensor:
+    """x [..., size] -> Gemma's RMSNorm with ``weight`` = 1 + w in fp32 (``GemmaNorm``)."""
+    if x.dtype == torch.float32:
+        return ops.rms_norm(x, weight, eps)
+    dtype = x.dtype
+    x = x.float()
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight).to(dtype)
+
+
+def gemma_add_norm(
+    hidden: Tensor, delta: Tensor, weight: Tensor, eps: float, ops: FusedOps
+) -> tuple[Tensor, Tensor]:
+    """(hidden + delta, gemma_norm(hidden + delta)): the residual add and the next norm."""
+    if hidden.dtype == torch.float32:
+        return ops.add_rms_norm(hidden, delta, weight, eps)
+    hidden = hidden + delta
+    return hidden, gemma_norm(hidden, weight, eps)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention block then pre-norm SwiGLU MLP, each with a residual add.
 
@@ -177,12 +269,16 @@ class DecoderLayer(nn.Module):
         self.layer_index = layer_index
         hidden, dim, eps = config.hidden_size, config.head_dim, config.rms_norm_eps
         qkv_size = (config.num_heads + 2 * config.num_kv_heads) * dim
-        self.input_layernorm = RMSNorm(hidden, eps)
+        norm = GemmaNorm if config.gemma else RMSNorm
+        self.input_layernorm = norm(hidden, eps)
         self.qkv_proj = Linear(hidden, qkv_size, bias=config.attention_bias)
-        self.q_norm = RMSNorm(dim, eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(dim, eps) if config.qk_norm else None
+        self.q_norm = norm(dim, eps) if config.qk_norm else None
+        self.k_norm = norm(dim, eps) if config.qk_norm else None
         self.o_proj = Linear(config.num_heads * dim, hidden, bias=_has_o_proj_bias(config))
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = norm(hidden, eps)
+        if config.gemma:  # Gemma: the MLP's own pre-norm, and a norm after each block
+            self.pre_feedforward_layernorm = norm(hidden, eps)
+            self.post_feedforward_layernorm = norm(hidden, eps)
         self.gate_up_proj = Linear(hidden, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, hidden, bias=False)
         self.act_fn = ACT2FN[hidden_act]
@@ -205,6 +301,8 @@ class DecoderLayer(nn.Module):
         the caller forms inside its next norm (``ops.add_rms_norm``).
         """
         config = self.config
+        if config.gemma:
+            return self._gemma_forward(hidden, delta, cos, sin, attention, ops)
         tokens = hidden.shape[0]
         eps = config.rms_norm_eps
         if delta is None:  # the first layer: once per forward
@@ -239,12 +337,54 @@ class DecoderLayer(nn.Module):
             hidden, attended, self.post_attention_layernorm.weight, eps
         )
         gate_up = self.gate_up_proj(normed)  # [T, 2 * intermediate]
+        return hidden, self.down_proj(self._activate(gate_up, ops))
+
+    def _activate(self, gate_up: Tensor, ops: FusedOps) -> Tensor:
+        """gate_up [T, 2 * intermediate] -> act(gate) * up [T, intermediate]."""
         if self.fuse_activation:
-            activated = ops.silu_mul(gate_up)  # [T, intermediate]
+            return ops.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+    def _gemma_forward(
+        self,
+        hidden: Tensor,
+        delta: Tensor | None,
+        cos: Tensor,
+        sin: Tensor,
+        attention: AttentionFn,
+        ops: FusedOps,
+    ) -> tuple[Tensor, Tensor]:
+        """``forward`` of a Gemma layer: norms before and after the attention and the MLP
+        (``GemmaNorm``), the MLP's output normed before the caller's residual add."""
+        config = self.config
+        eps, tokens = config.rms_norm_eps, hidden.shape[0]
+        if delta is None:
+            normed = gemma_norm(hidden, self.input_layernorm.weight, eps, ops)
         else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            activated = self.act_fn(gate) * up
-        return hidden, self.down_proj(activated)
+            hidden, normed = gemma_add_norm(hidden, delta, self.input_layernorm.weight, eps, ops)
+        qkv = self.qkv_proj(normed)
+        heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q_norm = None if self.q_norm is None else self.q_norm.weight
+        k_norm = None if self.k_norm is None else self.k_norm.weight
+        if hidden.dtype == torch.float32:  # the fused region's arithmetic is Gemma's here
+            q, k, v = ops.qkv_rope(qkv, cos, sin, q_norm, k_norm, eps, heads, kv_heads, dim)
+        else:
+            q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+            q, k = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim)
+            if q_norm is not None and k_norm is not None:
+                q, k = gemma_norm(q, q_norm, eps), gemma_norm(k, k_norm, eps)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = q.contiguous(), k.contiguous()
+            v = v.reshape(tokens, kv_heads, dim).contiguous()
+        out = attention(self.layer_index, q, k, v)  # [T, heads, dim]
+        attended = self.o_proj(out.reshape(tokens, heads * dim))
+        attended = gemma_norm(attended, self.post_attention_layernorm.weight, eps, ops)
+        hidden, normed = gemma_add_norm(
+            hidden, attended, self.pre_feedforward_layernorm.weight, eps, ops
+        )
+        mlp = self.down_proj(self._activate(self.gate_up_proj(normed), ops))
+        return hidden, gemma_norm(mlp, self.post_feedforward_layernorm.weight, eps, ops)
 
 
 def _has_o_proj_bias(config: NativeConfig) -> bool:
@@ -263,15 +403,26 @@ class LlamaModel(nn.Module):
         self.config = config = native_config(hf_config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, index, hf_config.hidden_act) for index in range(config.num_layers)
+            DecoderLayer(config, index, config.hidden_act) for index in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = (GemmaNorm if config.gemma else RMSNorm)(
+            config.hidden_size, config.rms_norm_eps
+        )
         self.lm_head = (
             None
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
-        self.rotary = RotaryEmbedding(*rope_inverse_frequencies(hf_config, config.head_dim))
+        if config.local_rope:  # per layer type: full attention's, and the sliding layers'
+            self.rotary = RotaryEmbedding(
+                *rope_inverse_frequencies(hf_config, config.head_dim, "full_attention")
+            )
+            self.local_rotary = RotaryEmbedding(
+                *rope_inverse_frequencies(hf_config, config.head_dim, "sliding_attention")
+            )
+        else:
+            self.rotary = RotaryEmbedding(*rope_inverse_frequencies(hf_config, config.head_dim))
+            self.local_rotary = None
 
     @classmethod
     def from_pretrained(
@@ -306,20 +457,40 @@ class LlamaModel(nn.Module):
         assert input_ids.shape == positions.shape and input_ids.dim() == 1, (
             f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [T]"
         )
-        hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
+        config = self.config
+        hidden = self.embed(input_ids)  # [T, hidden_size]
         cos, sin = self.rotary(positions, hidden.dtype)  # [T, head_dim] each
+        local = None if self.local_rotary is None else self.local_rotary(positions, hidden.dtype)
         if ops is None:
             ops = fused.fused_ops(hidden.device, hidden.dtype)  # compiled or eager regions
         delta = None  # the last layer's MLP output, added inside the next norm
-        for layer in self.layers:
-            hidden, delta = layer(hidden, delta, cos, sin, attention, ops)
+        for index, layer in enumerate(self.layers):
+            if local is not None and config.layer_windows[index] is not None:
+                hidden, delta = layer(hidden, delta, *local, attention, ops)
+            else:
+                hidden, delta = layer(hidden, delta, cos, sin, attention, ops)
         if delta is None:  # no layers
             return self.norm(hidden)
-        return ops.add_rms_norm(hidden, delta, self.norm.weight, self.config.rms_norm_eps)[1]
+        if config.gemma:
+            return gemma_add_norm(hidden, delta, self.norm.weight, config.rms_norm_eps, ops)[1]
+        return ops.add_rms_norm(hidden, delta, self.norm.weight, config.rms_norm_eps)[1]
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """The token embeddings [T, hidden_size] (Gemma: times sqrt(hidden_size) rounded to
+        the model dtype, as HF scales them)."""
+        hidden = self.embed_tokens(input_ids)
+        if self.config.gemma:
+            hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
+        return hidden
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden [N, hidden_size] -> logits [N, vocab_size] float32 (matmul in the model dtype)."""
-        return self.gemm(hidden, self.head_weight, None, self.head_packed).float()
+        """hidden [N, hidden_size] -> logits [N, vocab_size] float32 (matmul in the model
+        dtype; soft-capped there where the config says, as HF does)."""
+        logits = self.gemm(hidden, self.head_weight, None, self.head_packed)
+        cap = self.config.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     @property
     def head_weight(self) -> Tensor:
@@ -373,8 +544,10 @@ def _weight_sources(config: NativeConfig) -> dict[str, tuple[str, ...]]:
         attention = hf + "self_attn."
         suffixes = ["weight"] + (["bias"] if config.attention_bias else [])
         for suffix in suffixes:
-            sources[ours + "qkv_proj." + suffix] = tuple(
-                f"{attention}{name}_proj.{suffix}" for name in ("q", "k", "v")
+            sources[ours + "qkv_proj." + suffix] = (
+                (f"{attention}qkv_proj.{suffix}",)
+                if config.fused_checkpoint
+                else tuple(f"{attention}{name}_proj.{suffix}" for name in ("q", "k", "v"))
             )
         sources[ours + "o_proj.weight"] = (attention + "o_proj.weight",)
         if _has_o_proj_bias(config):
@@ -382,11 +555,15 @@ def _weight_sources(config: NativeConfig) -> dict[str, tuple[str, ...]]:
         if config.qk_norm:
             sources[ours + "q_norm.weight"] = (attention + "q_norm.weight",)
             sources[ours + "k_norm.weight"] = (attention + "k_norm.weight",)
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        if config.gemma:
+            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        for norm in norms:
             sources[f"{ours}{norm}.weight"] = (f"{hf}{norm}.weight",)
         sources[ours + "gate_up_proj.weight"] = (
-            hf + "mlp.gate_proj.weight",
-            hf + "mlp.up_proj.weight",
+            (hf + "mlp.gate_up_proj.weight",)
+            if config.fused_checkpoint
+            else (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
         )
         sources[ours + "down_proj.weight"] = (hf + "mlp.down_proj.weight",)
     return sources
@@ -425,5 +602,8 @@ def _load_weights(
                 )
             parts = [handles[hf_name].get_tensor(hf_name) for hf_name in hf_names]
             tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-            state[name] = tensor.to(device=device, dtype=dtype)
+            tensor = tensor.to(device=device, dtype=dtype)
+            if config.gemma and name.endswith("norm.weight"):  # GemmaNorm holds 1 + w, fp32
+                tensor = 1.0 + tensor.float()
+            state[name] = tensor
     return state

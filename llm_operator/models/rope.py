@@ -11,7 +11,9 @@ Supported rope types: "default", "linear", "llama3", "yarn" (position independen
 and "dynamic", which equals the unscaled rope for positions below
 max_position_embeddings (HF rescales only past that length, per batch); the engine
 keeps sequences within max_position_embeddings. "longrope" (switches frequencies by
-sequence length) and per-layer rope parameters raise ValueError.
+sequence length) raises ValueError. Parameters given per layer type (Gemma 3: a local
+base for sliding-window layers, a global one for full attention) are read per
+``layer_type``.
 """
 
 from __future__ import annotations
@@ -25,23 +27,32 @@ from torch import Tensor, nn
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
-def rope_parameters(hf_config: Any) -> dict[str, Any]:
-    """The config's flat rope dict (transformers 5: `rope_parameters`; older: `rope_scaling`)."""
+def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The config's flat rope dict (transformers 5: `rope_parameters`; older: `rope_scaling`);
+    for a config that gives them per layer type, those of ``layer_type``."""
     parameters = getattr(hf_config, "rope_parameters", None)
     if parameters is None:
         parameters = dict(getattr(hf_config, "rope_scaling", None) or {})
         parameters.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10_000.0))
     if any(isinstance(value, dict) for value in parameters.values()):
-        raise ValueError(
-            f"model_type={getattr(hf_config, 'model_type', None)!r}: per-layer rope parameters "
-            f"{sorted(parameters)} are not supported by the native engine"
-        )
+        if not isinstance(parameters.get(layer_type), dict):
+            raise ValueError(
+                f"model_type={getattr(hf_config, 'model_type', None)!r}: rope parameters per "
+                f"layer type {sorted(parameters)} have none for layer type {layer_type!r}"
+            )
+        parameters = parameters[layer_type]
     return dict(parameters)
 
 
-def rope_type(hf_config: Any) -> str:
+def per_layer_type(hf_config: Any) -> bool:
+    """Whether the config gives rope parameters per layer type (Gemma 3)."""
+    parameters = getattr(hf_config, "rope_parameters", None) or {}
+    return any(isinstance(value, dict) for value in parameters.values())
+
+
+def rope_type(hf_config: Any, layer_type: str | None = None) -> str:
     """The config's rope type; ValueError unless it is in SUPPORTED_ROPE_TYPES and rotates all dims."""
-    parameters = rope_parameters(hf_config)
+    parameters = rope_parameters(hf_config, layer_type)
     kind = parameters.get("rope_type", parameters.get("type", "default"))
     if kind not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
@@ -58,19 +69,24 @@ def rope_type(hf_config: Any) -> str:
     return kind
 
 
-def rope_inverse_frequencies(hf_config: Any, head_dim: int) -> tuple[Tensor, float]:
-    """(inv_freq [head_dim // 2] fp32 on CPU, attention_scaling) for this config, as HF computes them."""
-    kind = rope_type(hf_config)
+def rope_inverse_frequencies(
+    hf_config: Any, head_dim: int, layer_type: str | None = None
+) -> tuple[Tensor, float]:
+    """(inv_freq [head_dim // 2] fp32 on CPU, attention_scaling) for this config (and
+    ``layer_type``, where the config gives rope parameters per layer type), as HF computes
+    them."""
+    kind = rope_type(hf_config, layer_type)
     with torch.device("cpu"):  # also when the model is being built under torch.device("meta")
         if kind == "default":
-            base = rope_parameters(hf_config).get("rope_theta") or 10_000.0
+            base = rope_parameters(hf_config, layer_type).get("rope_theta") or 10_000.0
             exponents = torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim
             return 1.0 / (base**exponents), 1.0
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         # The init functions standardize (mutate) the config's rope dict: give them a copy.
+        extra = {} if layer_type is None else {"layer_type": layer_type}
         inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](
-            copy.deepcopy(hf_config), torch.device("cpu")
+            copy.deepcopy(hf_config), torch.device("cpu"), **extra
         )
     assert inv_freq.shape == (head_dim // 2,), (
         f"rope {kind!r} gave inv_freq of shape {tuple(inv_freq.shape)} for head_dim={head_dim}"

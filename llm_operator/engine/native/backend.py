@@ -139,7 +139,11 @@ class NativeBackend:
         return blocks
 
     def _implementation(self) -> str:
-        """The attention kernels of this backend's device and dtype (``kernels.step_implementation``)."""
+        """The attention kernels of this backend's device and dtype
+        (``kernels.step_implementation``); the torch kernels for soft-capped attention
+        scores (Gemma 2), which the others do not compute."""
+        if self.config.attn_softcap is not None:
+            return "torch"
         return kernels.step_implementation(torch.empty(0, device=self.device, dtype=self.dtype))
 
     def _kv_pool(self, implementation: str, num_blocks: int) -> tuple[list, list]:
@@ -172,6 +176,14 @@ class NativeBackend:
         profiling. ValueError for "on" without the Triton kernels."""
         mode = self.engine_config.cuda_graphs
         if mode == "off" or self.op_profile is not None:
+            return False
+        if self.config.sliding_window is not None or self.config.attn_softcap is not None:
+            if mode == "on":
+                raise ValueError(
+                    "cuda_graphs='on': decode graphs do not run sliding-window or soft-capped "
+                    f"attention yet (model_type={self.config.model_type!r}); use "
+                    "cuda_graphs='auto' or 'off'"
+                )
             return False
         if implementation != "triton":
             if mode == "on":
@@ -281,6 +293,8 @@ class _NativeSteps:
             segment_blocks=self.scheduler.segment_blocks,
             segment_length=self.scheduler.segment_length,
             invariant=backend.invariant,  # the compiled CPU attention's mode (others ignore it)
+            window=backend.config.sliding_window,
+            softcap=backend.config.attn_softcap,
         )
         if backend.device.type == "cpu":
             backend.model.use_gemm(backend.gemm)  # another backend may share the model
@@ -292,20 +306,26 @@ class _NativeSteps:
         self.profile = backend.last_profile = RunProfile(num_blocks=num_blocks)
 
     # -- one iteration's tensors -------------------------------------------------------
-    def _attention(self, step: kernels.AttentionStep) -> Callable:
+    def _attention(
+        self, step: kernels.AttentionStep, window_step: kernels.AttentionStep | None = None
+    ) -> Callable:
         """The eager forward's attention callback over this step's layout: store K/V, attend
         over the own K/V and the shared segments, merge (timed by kind with op profiling)."""
-        scale, k_caches, v_caches = self.backend.config.scale, self.k_cache, self.v_cache
+        config = self.backend.config
+        scale, k_caches, v_caches = config.scale, self.k_cache, self.v_cache
+        sliding = [window is not None for window in config.layer_windows]
+        attention = StepAttention(step, k_caches, v_caches, scale, window_step, sliding)
         op_profile = self.backend.op_profile
         if op_profile is None:
-            return StepAttention(step, k_caches, v_caches, scale)
-        store = op_profile.timed("kv_store", step.store)
-        attend = op_profile.timed("attention", step.attend)
+            return attention
+        store = op_profile.timed("kv_store", kernels.AttentionStep.store)
+        attend = op_profile.timed("attention", kernels.AttentionStep.attend)
 
         def timed_attention(layer: int, q, k, v):
+            layer_step = attention._step(layer)
             k_cache, v_cache = k_caches[layer], v_caches[layer]
-            store(k, v, k_cache, v_cache)
-            return attend(q, k_cache, v_cache, scale)
+            store(layer_step, k, v, k_cache, v_cache)
+            return attend(layer_step, q, k_cache, v_cache, scale)
 
         return timed_attention
 
@@ -391,16 +411,19 @@ class _NativeSteps:
         final-normed hidden states [tokens, hidden]."""
         backend, ops = self.backend, self.backend.op_profile
         decoder = backend.decoder
-        if decoder is not None and decoder.runs(batch.num_tokens, batch.step):
+        # the compiled decoder runs one layout for every layer: the windowed one where
+        # every layer slides (it does not run models that mix the two)
+        step = batch.step if batch.window_step is None else batch.window_step
+        if decoder is not None and decoder.runs(batch.num_tokens, step):
             seconds = None if ops is None else torch.zeros(len(TIMED_KINDS), dtype=torch.float64)
             hidden = decoder(
-                batch.input_ids, batch.positions, batch.step, self.k_cache, self.v_cache, seconds
+                batch.input_ids, batch.positions, step, self.k_cache, self.v_cache, seconds
             )
             if ops is not None:
                 for kind, value in zip(TIMED_KINDS, seconds.tolist()):
                     ops.add(kind, value)
             return hidden
-        attention = self._attention(batch.step)
+        attention = self._attention(batch.step, batch.window_step)
         return backend.model(batch.input_ids, batch.positions, attention, regions)
 
     def _hand_over(self, sampled: list[ScheduledChunk], ids: list[int], tokens: list[int]) -> None:

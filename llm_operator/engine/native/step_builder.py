@@ -41,6 +41,7 @@ class SegmentLevel:
     row_start: np.ndarray  # [S + 1] int64
     tables: np.ndarray  # [S, width] int32 block ids
     lengths: np.ndarray  # [S] int64 tokens
+    starts: np.ndarray  # [S] int64 position of each segment's first token (its chain's sum)
 
 
 @dataclass
@@ -77,6 +78,9 @@ class StepBatch:
     last_rows: torch.Tensor  # [sampled chunks] int64: the row whose logits are sampled
     num_tokens: int
     sampled: list[ScheduledChunk]  # the chunks that sample, in chunk (and last_rows) order
+    # the sliding-window layers' layout (``StepBuilder(window=...)``): ``step`` itself where
+    # no row of the step reaches past its window
+    window_step: kernels.AttentionStep | None = None
 
 
 class StepAttention:
@@ -95,19 +99,30 @@ class StepAttention:
         k_caches: Sequence[torch.Tensor],
         v_caches: Sequence[torch.Tensor],
         scale: float,
+        window_step: kernels.AttentionStep | None = None,
+        sliding: Sequence[bool] = (),
     ) -> None:
+        """window_step: the layout of the layers marked in ``sliding`` (sliding-window
+        attention, ``StepBatch.window_step``); the others take ``step``."""
         self.step, self.k_caches, self.v_caches, self.scale = step, k_caches, v_caches, scale
+        self.steps = [
+            window_step if window_step is not None and slides else step for slides in sliding
+        ]
         if step.implementation != "triton":
             self.cache = None
 
+    def _step(self, layer: int) -> kernels.AttentionStep:
+        return self.steps[layer] if layer < len(self.steps) else self.step
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        return self.step(q, k, v, self.k_caches[layer], self.v_caches[layer], self.scale)
+        return self._step(layer)(q, k, v, self.k_caches[layer], self.v_caches[layer], self.scale)
 
     def cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.k_caches[layer], self.v_caches[layer], self.step.slot_mapping
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        return self.step.attend(q, self.k_caches[layer], self.v_caches[layer], self.scale)
+        step = self._step(layer)
+        return step.attend(q, self.k_caches[layer], self.v_caches[layer], self.scale)
 
 
 class StepBuilder:
@@ -130,10 +145,16 @@ class StepBuilder:
         segment_blocks: Callable[[int], Sequence[int]],
         segment_length: Callable[[int], int],
         invariant: bool = False,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         """invariant: the compiled CPU attention in its batch-invariant mode
-        (``AttentionStep(invariant=True)``; the other implementations have none)."""
+        (``AttentionStep(invariant=True)``; the other implementations have none).
+        window: the model's sliding window, if any layer has one: each step then also
+        builds those layers' layout (``StepBatch.window_step``). softcap: the attention
+        scores' soft cap (``AttentionStep.softcap``; the torch kernels only)."""
         self.invariant = invariant
+        self.window, self.softcap = window, softcap
         self.block_size = block_size
         self.pool_blocks = pool_blocks  # the cache's blocks (>= the run's: a pool is reused)
         self.device = device
@@ -259,13 +280,16 @@ class StepBuilder:
                 )  # fmt: skip
                 for level in host.levels
             ]
+        slots = device_tensor(host.slots, device)
         step = kernels.AttentionStep(
-            self.implementation,
-            own_batch,
-            prefix_batches,
-            device_tensor(host.slots, device),
-            invariant=self.invariant,
+            self.implementation, own_batch, prefix_batches, slots, invariant=self.invariant
         )
+        step.softcap = self.softcap
+        window_step = None
+        if self.window is not None:
+            window_step = step
+            if host.num_tokens and int(host.positions.max()) >= self.window:
+                window_step = self._window_step(host, own_batch, prefix_batches, slots)
         return StepBatch(
             input_ids=device_tensor(host.input_ids, device),
             positions=device_tensor(host.positions, device),
@@ -273,7 +297,26 @@ class StepBuilder:
             last_rows=device_tensor(host.last_rows, device),
             num_tokens=num_rows,
             sampled=host.sampled,
+            window_step=window_step,
         )
+
+    def _window_step(self, host: HostStep, own_batch, prefix_batches, slots):
+        """The sliding-window layers' step (``kernels.windowed``): a segment that lies wholly
+        before a row's window is left out of that row's batch, but in the batch-invariant
+        CPU mode, whose items must stay those of the full layout (the kernel then skips it)."""
+        if self.implementation == "torch":
+            starts = [np.zeros(len(host.chains), dtype=np.int64)] if prefix_batches else []
+        else:
+            starts = [level.starts for level in host.levels]
+        keep_all = self.invariant and self.implementation == "cpp"
+        own, prefixes = kernels.windowed(
+            own_batch, prefix_batches, host.positions, starts, self.window, drop=not keep_all
+        )
+        step = kernels.AttentionStep(
+            self.implementation, own, prefixes, slots, invariant=self.invariant
+        )
+        step.softcap = self.softcap
+        return step
 
     def _chain_batches(self, host: HostStep) -> list[kernels.PrefixBatch]:
         """The torch path's shared prefixes: one chain batch, a row's whole chain one
@@ -311,6 +354,11 @@ class StepBuilder:
         level_segment = np.full((len(chains), depth), -1, dtype=np.int64)
         for i, chain in enumerate(chains):
             level_segment[i, : len(chain)] = chain
+        # level_start[i, level]: the position of that segment's first token in chain i
+        level_start = np.zeros((len(chains), depth), dtype=np.int64)
+        for i, chain in enumerate(chains):
+            lengths = [self.segment_length(s) for s in chain[:-1]]
+            level_start[i, 1 : len(chain)] = np.cumsum(lengths, dtype=np.int64)
         reading = chain_ids >= 0
         counts_of_chunk = np.diff(query_start)
         levels = []
@@ -322,6 +370,7 @@ class StepBuilder:
             ordered = segment_of[order]  # ascending: each segment's chunks together
             first = np.flatnonzero(np.diff(ordered, prepend=-1))  # first chunk of a segment
             segment_ids = ordered[first]
+            segment_start = level_start[chain_ids[order[first]], level]
             row_start_of_chunk = np.zeros(len(order) + 1, dtype=np.int64)
             np.cumsum(counts_of_chunk[order], out=row_start_of_chunk[1:])
             blocks = [self.segment_blocks(int(s)) for s in segment_ids]
@@ -338,6 +387,7 @@ class StepBuilder:
                     lengths=np.array(
                         [self.segment_length(int(s)) for s in segment_ids], dtype=np.int64
                     ),
+                    starts=segment_start,
                 )
             )
         return levels

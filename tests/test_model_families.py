@@ -1,0 +1,150 @@
+"""Gemma 3, Gemma 2, Phi-3 and sliding-window attention in the native engine against
+Hugging Face ``generate`` (greedy, fp32; issue 32).
+
+Every tiny family has windows of TINY_WINDOW tokens: the prompts are longer than the
+window, their shared prefixes (the system prompt, the documents) are too, and short
+prompts cross the window while they decode. Gemma 3 mixes sliding layers (a local rope
+base) with a global one; Gemma 2 soft-caps its attention scores (the torch kernels) and
+its logits; Phi-3's checkpoint holds fused projections; Qwen2 slides in its upper layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import TINY_WINDOW, WINDOW_FAMILIES, hf_generate_greedy
+from test_hf_backend import assert_matches_hf, three_level_prompts
+
+from llm_operator import LLMOperator, SamplingParams
+from llm_operator.models import llama
+from llm_operator.models.llama import LlamaModel, native_config
+
+SHORT = ["Why", "Great value", "Refund received, thank"]  # cross the window mid-decode
+
+
+def _prompts() -> list[str]:
+    return three_level_prompts() + SHORT
+
+
+@pytest.mark.parametrize("family", WINDOW_FAMILIES)
+def test_window_families_match_hf_generate(family, window_family_dirs):
+    """The default engine (on a CPU without AMX: the batch-invariant kernels, segments on
+    block boundaries), blocks of 4 tokens (a window of 12 spans blocks and parts of them)."""
+    model_dir = window_family_dirs(family)
+    op = LLMOperator(model_dir, backend="native", kv_block_size=4)
+    assert op.plan(_prompts()).requests  # the plan shares prefixes longer than the window
+    prompts = _prompts()
+    results = op.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert op.last_stats.backend == "native"
+    assert_matches_hf(op, model_dir, prompts, results, 16, ignore_eos=True)
+    stats = op.last_stats
+    assert stats.prefill_tokens_computed == stats.planned_prefill_tokens < stats.prompt_tokens
+    ids = [op.tokenizer(p)["input_ids"] for p in prompts]
+    assert max(len(i) for i in ids) > 4 * TINY_WINDOW
+    assert min(len(i) for i in ids) < TINY_WINDOW < min(len(i) for i in ids) + 16
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral_window", "qwen2_mixed"])
+@pytest.mark.parametrize("kernels", ["cpp", "torch"])
+def test_window_kernels_match_hf_generate(family, kernels, window_family_dirs, monkeypatch):
+    """The fast (not batch-invariant) compiled kernels, and the torch kernels, which also
+    leave out of a row's batch the segments its window misses."""
+    monkeypatch.setenv("LLM_OPERATOR_KERNELS", kernels)
+    model_dir = window_family_dirs(family)
+    op = LLMOperator(model_dir, backend="native", deterministic=False, kv_block_size=8)
+    prompts = _prompts()
+    results = op.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert_matches_hf(op, model_dir, prompts, results, 12, ignore_eos=True)
+
+
+def test_the_window_changes_the_tokens(window_family_dirs, monkeypatch):
+    """The negative control: the same engine with the windows taken away disagrees with
+    HF on most rows (the tests above would catch a window that is not applied)."""
+    model_dir = window_family_dirs("mistral_window")
+    original = llama.native_config
+
+    def without_windows(config):
+        native = original(config)
+        return dataclasses.replace(native, layer_windows=(None,) * native.num_layers)
+
+    monkeypatch.setattr(llama, "native_config", without_windows)
+    op = LLMOperator(model_dir, backend="native")
+    prompts = three_level_prompts()
+    results = op.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    differ = sum(
+        list(r.token_ids)
+        != hf_generate_greedy(model_dir, op.tokenizer(p)["input_ids"], 8, ignore_eos=True)
+        for p, r in zip(prompts, results)
+    )
+    assert differ > len(prompts) // 2
+
+
+def test_family_configs_read(window_family_dirs):
+    from transformers import AutoConfig
+
+    def read(family):
+        return native_config(AutoConfig.from_pretrained(window_family_dirs(family)))
+
+    gemma3 = read("gemma3")
+    assert gemma3.layer_windows == (TINY_WINDOW, TINY_WINDOW, None, TINY_WINDOW)
+    assert gemma3.gemma and gemma3.qk_norm and gemma3.local_rope
+    assert gemma3.scale == 24**-0.5 and gemma3.hidden_act == "gelu_pytorch_tanh"
+    gemma2 = read("gemma2")
+    assert (gemma2.attn_softcap, gemma2.final_softcap) == (5.0, 3.0)
+    assert gemma2.layer_windows == (TINY_WINDOW, None) and not gemma2.qk_norm
+    assert read("phi3").fused_checkpoint and read("phi3").layer_windows == (TINY_WINDOW,) * 2
+    assert read("qwen2_mixed").layer_windows == (None, TINY_WINDOW)
+
+
+def test_unsupported_families_say_what_runs_them():
+    from transformers import Gemma3Config, GPT2Config, Phi3Config
+
+    with pytest.raises(ValueError, match="model_type='gpt2'.*backend='hf'"):
+        native_config(GPT2Config())
+    with pytest.raises(ValueError, match="multimodal Gemma 3.*gemma3_text"):
+        native_config(Gemma3Config())
+    longrope = Phi3Config(
+        rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 48,
+            "long_factor": [2.0] * 48, "original_max_position_embeddings": 4096,
+        },
+        max_position_embeddings=131072,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="rope_type='longrope'"):
+        native_config(longrope)
+
+
+def test_gemma3_bfloat16_logits_match_hf(window_family_dirs):
+    """bf16: Gemma's norms in fp32 then rounded once (HF's order); logits within bf16
+    rounding of HF's and the same argmax, on a prompt past the window."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = window_family_dirs("gemma3")
+    model = LlamaModel.from_pretrained(model_dir, device=torch.device("cpu"), dtype=torch.bfloat16)
+    assert model.layers[0].input_layernorm.weight.dtype == torch.float32
+    config = model.config
+    groups = config.num_heads // config.num_kv_heads
+
+    def attention(layer: int, q, k, v):
+        k, v = (x.repeat_interleave(groups, dim=1) for x in (k, v))
+        q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))
+        count = q.shape[2]
+        position = torch.arange(count)
+        visible = position[None, :] <= position[:, None]
+        window = config.layer_windows[layer]
+        if window is not None:
+            visible &= position[None, :] > position[:, None] - window
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=visible, scale=config.scale
+        )
+        return out[0].transpose(0, 1).contiguous()
+
+    ids = torch.randint(3, config.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    with torch.inference_mode():
+        logits = model.compute_logits(model(ids, torch.arange(40), attention))
+        expected = reference(ids[None]).logits[0].float()
+    torch.testing.assert_close(logits, expected, atol=0.15, rtol=0.02)
+    assert (logits.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
