@@ -60,6 +60,8 @@ class RunProfile:
     graph_steps: int = 0  # decode steps run through DecodeGraphs (CUDA graphs)
     preemptions: int = 0
     segment_evictions: int = 0
+    peak_blocks: int = 0  # most KV blocks in use at once (SchedulerStats)
+    window_freed_blocks: int = 0  # blocks freed for having left every sliding window
     max_running: int = 0
     decode_tokens: int = 0  # one-token decode chunks run (SchedulerStats)
     jump_chunk_tokens: int = 0  # sampled + jump-forward tokens run as one chunk (SchedulerStats)
@@ -282,8 +284,14 @@ class _NativeSteps:
         self.implementation = backend._implementation()
         self.k_cache, self.v_cache = backend._kv_pool(self.implementation, num_blocks)
         self.pool_blocks = backend._pool[1]  # >= num_blocks: a larger run may have built it
+        windows = set(backend.config.layer_windows)
         self.scheduler = Scheduler.from_config(
-            plan, BlockManager(num_blocks, backend.block_size), backend.engine_config
+            plan,
+            BlockManager(num_blocks, backend.block_size),
+            backend.engine_config,
+            # every layer slides: blocks that left the window go back to the pool (a model
+            # that also has full-attention layers keeps every block for those)
+            window=windows.pop() if len(windows) == 1 else None,
         )
         self.builder = StepBuilder(
             block_size=backend.block_size,
@@ -458,6 +466,8 @@ class _NativeSteps:
         self.k_cache = self.v_cache = []  # the pool stays on the backend for the next run
         profile.preemptions = stats.preemptions
         profile.segment_evictions = stats.segment_evictions
+        profile.peak_blocks = stats.peak_blocks
+        profile.window_freed_blocks = stats.window_freed_blocks
         profile.max_running = stats.max_running
         profile.decode_tokens = stats.decode_tokens
         profile.jump_chunk_tokens = stats.jump_chunk_tokens

@@ -90,6 +90,6 @@ class PrefixPins(SegmentPins):
     def _release(self, segment_id: int) -> None:
         segment_seq = self.live[segment_id]
         assert segment_seq is not None
-        self.blocks.free(segment_seq.blocks)
-        segment_seq.blocks, segment_seq.status = [], FINISHED
+        self.blocks.free(segment_seq.blocks[segment_seq.released :])
+        segment_seq.blocks, segment_seq.status, segment_seq.released = [], FINISHED, 0
         self.live[segment_id] = None

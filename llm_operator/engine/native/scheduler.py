@@ -45,6 +45,13 @@ Rules:
     evict the youngest READY leaf segment off the head request's chain (no running request
     reads it; its waiting members recompute it). Only then would a request that fits the
     pool be stuck behind pins held for others; see ``SchedulerStats.segment_evictions``.
+  - Sliding windows (``window``: a model whose every layer sees only the last ``window``
+    positions): after each iteration, a sequence's blocks whose keys lie more than
+    ``WINDOW_MARGIN`` positions before the window of its next query go back to the pool
+    (no later query of it, its members or its child segments can see them; the margin
+    keeps them out of the kernels' aligned key runs). A request's prefill chunks are then
+    at most ``window`` tokens, and admission counts a request's live blocks at most
+    ``window_blocks``: a row holds about a window of blocks, whatever its length.
 """
 
 from __future__ import annotations
@@ -73,6 +80,11 @@ from llm_operator.planner.plan import Plan
 
 __all__ = ["Scheduler", "SchedulerStats", "ScheduledChunk", "KVSequence"]
 
+# Keys kept before a sliding window's start before a block is freed: the kernels start a
+# row's key loop at the run (16 keys; 64 in the batch-invariant mode) or Triton tile
+# holding its first visible key, so a freed block is never read, even masked.
+WINDOW_MARGIN = 128
+
 
 @dataclass
 class SchedulerStats:
@@ -88,6 +100,8 @@ class SchedulerStats:
     jump_chunk_tokens: int = 0
     max_running: int = 0  # most requests running at once
     segment_evictions: int = 0  # last-resort unpinning of segments nobody running reads
+    peak_blocks: int = 0  # most KV blocks in use at once (measured at each schedule())
+    window_freed_blocks: int = 0  # blocks freed early for having left every window
 
 
 class Scheduler:
@@ -103,9 +117,11 @@ class Scheduler:
         decode_reserve: float = 0.5,
         share_prefixes: bool = EngineConfig.share_prefixes,
         token_batching: bool = EngineConfig.token_batching,
+        window: int | None = None,
     ) -> None:
         """The defaults are ``EngineConfig``'s (``from_config`` takes them from one); the
-        options are checked as the engine options they come from."""
+        options are checked as the engine options they come from. ``window``: the model's
+        sliding window where every layer has it (see the module docstring), else None."""
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a Plan, got {type(plan).__name__}")
         if not isinstance(blocks, BlockManager):
@@ -124,6 +140,11 @@ class Scheduler:
         # token_batching=False is the ablation without BATON insertion: requests run in
         # waves of up to max_running, and a wave is admitted only once the last has ended.
         self.token_batching = token_batching
+        self.window = None if window is None else integer(1)("window", window)
+        self.window_blocks = None  # a windowed request's most live blocks
+        if self.window is not None:
+            chunk = min(self.window, max_batched_tokens)
+            self.window_blocks = blocks.blocks_for(self.window + WINDOW_MARGIN + chunk) + 1
         self._wave_open = True
         self.rejected: list[tuple[int, str]] = []
         self.stats = SchedulerStats()
@@ -202,6 +223,8 @@ class Scheduler:
         assert chunks or self.done, "schedule() found nothing to run while work remains"
         if chunks:
             self.stats.iterations += 1
+            used = self.blocks.num_blocks - self.blocks.num_free
+            self.stats.peak_blocks = max(self.stats.peak_blocks, used)
         return chunks
 
     def complete(self, chunks: Iterable[ScheduledChunk]) -> None:
@@ -227,6 +250,19 @@ class Scheduler:
             if seq.kind is SEGMENT and computed == len(seq.tokens):
                 seq.status = READY
                 self._running.remove(seq)
+            if self.window is not None:
+                self._free_behind_window(seq)
+
+    def _free_behind_window(self, seq: KVSequence) -> None:
+        """Free ``seq``'s blocks that every later query has left behind (``window``)."""
+        # the next query sits at own index num_computed; it and every later one see own
+        # indices > num_computed - window only
+        behind = seq.num_computed - self.window + 1 - WINDOW_MARGIN
+        dead = min(max(0, behind // self.blocks.block_size), len(seq.blocks))
+        if dead > seq.released:
+            self.blocks.free(seq.blocks[seq.released : dead])
+            self.stats.window_freed_blocks += dead - seq.released
+            seq.released = dead
 
     def append_token(self, seq: KVSequence, token_id: int, forced: Iterable[int] = ()) -> None:
         """Add a sampled token to a request whose own tokens are all computed, and after it
@@ -331,6 +367,8 @@ class Scheduler:
             return None
         start = seq.num_computed
         length = min(len(seq.tokens) - start, budget)
+        if self.window is not None:  # a window's worth at a time: its blocks stay few
+            length = min(length, self.window)
         if seq.kind is REQUEST:
             coverable = (len(seq.blocks) + self.blocks.num_free) * self.blocks.block_size - start
             length = min(length, coverable)
@@ -371,7 +409,7 @@ class Scheduler:
 
     def _never_fits(self, seq: KVSequence) -> str | None:
         chain_blocks = self._pins.chain_blocks(seq.chain)
-        own_blocks = self.blocks.blocks_for(len(seq.tokens) + 1)
+        own_blocks = self._live_cap(self.blocks.blocks_for(len(seq.tokens) + 1))
         if chain_blocks + own_blocks <= self.blocks.num_blocks:
             return None
         return (
@@ -382,8 +420,16 @@ class Scheduler:
         )
 
     def _target_blocks(self, seq: KVSequence) -> int:
+        """Blocks a running request may still come to hold (in its list: freed ones too)."""
         remaining = max(0, seq.max_tokens - seq.num_generated)
-        return self.blocks.blocks_for(len(seq.tokens) + math.ceil(self.decode_reserve * remaining))
+        blocks = self.blocks.blocks_for(
+            len(seq.tokens) + math.ceil(self.decode_reserve * remaining)
+        )
+        return self._live_cap(blocks - seq.released) + seq.released
+
+    def _live_cap(self, blocks: int) -> int:
+        """A request's live blocks: at most ``window_blocks`` in a windowed model."""
+        return blocks if self.window_blocks is None else min(blocks, self.window_blocks)
 
     def _committed(self) -> int:
         """Blocks the running requests may still take (to their ``_target_blocks``)."""
@@ -398,7 +444,10 @@ class Scheduler:
         when the caller has it."""
         new_segments = self._pins.chain_blocks(seq.chain, missing_only=True)
         if self._num_running_requests == 0:
-            least = min(self._target_blocks(seq), self.blocks.blocks_for(len(seq.tokens) + 1))
+            least = min(
+                self._target_blocks(seq),
+                self._live_cap(self.blocks.blocks_for(len(seq.tokens) + 1)),
+            )
             return new_segments + least <= self.blocks.num_free
         if committed is None:
             committed = self._committed()
@@ -438,8 +487,8 @@ class Scheduler:
         assert seq.kind is REQUEST and seq.status == RUNNING, "only running requests preempt"
         self._running.remove(seq)
         self._num_running_requests -= 1
-        self.blocks.free(seq.blocks)
-        seq.blocks, seq.num_computed, seq.status = [], 0, WAITING
+        self.blocks.free(seq.blocks[seq.released :])
+        seq.blocks, seq.num_computed, seq.status, seq.released = [], 0, WAITING, 0
         self._waiting.appendleft(seq)
         self.stats.preemptions += 1
 
@@ -489,7 +538,7 @@ class Scheduler:
         if seq.status is RUNNING:  # leaves self._running at the next schedule()
             self._finished_running += 1
             self._num_running_requests -= 1
-        self.blocks.free(seq.blocks)
-        seq.blocks, seq.status = [], FINISHED
+        self.blocks.free(seq.blocks[seq.released :])
+        seq.blocks, seq.status, seq.released = [], FINISHED, 0
         for segment_seq in self._pins.member_done(seq.chain):
             self._running.remove(segment_seq)

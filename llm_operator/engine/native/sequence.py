@@ -54,6 +54,9 @@ class KVSequence:
     table_row: int = -1
     synced_blocks: list[int] | None = None
     synced_count: int = 0
+    # sliding-window models (``Scheduler(window=...)``): blocks[:released] left every window
+    # and went back to the pool (their ids stay in the list, never read again)
+    released: int = 0
 
     @classmethod
     def waiting(cls, seq_id: int, kind: Kind, ref: int, chain: tuple[int, ...], prefix_length: int,
