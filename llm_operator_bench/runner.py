@@ -37,6 +37,8 @@ def prepare_workloads(operator, names: Sequence[str], *, size: str, seed: int) -
     prepared = []
     for name in names:
         workload = make_workload(name, operator.tokenizer, size=size, seed=seed)
+        if not getattr(operator.tokenizer, "chat_template", None):
+            workload = plain_text_workload(workload)
         token_ids = operator.tokenize(workload.prompts)
         bad = [row for row, ids in enumerate(token_ids) if ids is None]
         if bad:
@@ -92,6 +94,26 @@ def prepare_workloads(operator, names: Sequence[str], *, size: str, seed: int) -
             }
         )
     return prepared
+
+
+def plain_text_workload(workload):
+    """The workload with its chat prompts rendered as plain text, for a model without a
+    chat template (a base model such as Gemma 3 270M): each message a "role: content"
+    paragraph, then "assistant:". The sharing structure (which rows share which leading
+    messages) stays as it was; every system gets the same strings."""
+    import dataclasses
+
+    def render(prompt):
+        if isinstance(prompt, str):
+            return prompt
+        turns = [f"{message['role']}: {message['content']}" for message in prompt]
+        return "\n\n".join(turns) + "\n\nassistant:"
+
+    return dataclasses.replace(
+        workload,
+        prompts=[render(prompt) for prompt in workload.prompts],
+        description=workload.description + " (rendered as plain text: no chat template)",
+    )
 
 
 # -- running systems -------------------------------------------------------------------

@@ -32,6 +32,10 @@ NATIVE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 # checkpoint), each with a window of TINY_WINDOW tokens: shorter than the test prompts.
 WINDOW_FAMILIES = ("gemma3", "gemma2", "mistral_window", "phi3", "qwen2_mixed")
 TINY_WINDOW = 12
+# Phi-3.5 / Phi-4-mini's rope: longrope (short factors up to TINY_LONGROPE_POSITIONS) and
+# a partial rotary factor of 1/2
+LONGROPE_FAMILY = "phi3_longrope"
+TINY_LONGROPE_POSITIONS = 64
 
 
 def build_tiny_tokenizer(
@@ -100,22 +104,10 @@ def tiny_config(
     """
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    if family in WINDOW_FAMILIES:
+    if family in WINDOW_FAMILIES or family == LONGROPE_FAMILY:
         return _window_config(family, vocab_size, eos_token_id)
 
-    shared = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=TINY_INITIALIZER_RANGE,
-        bos_token_id=None,
-        eos_token_id=eos_token_id,
-        pad_token_id=eos_token_id,
-    )
+    shared = _tiny_shape(vocab_size, eos_token_id, num_hidden_layers=2)
     if rope_parameters is not None:
         shared["rope_parameters"] = dict(rope_parameters)
     if family == "llama":
@@ -137,12 +129,10 @@ def tiny_config(
     raise ValueError(f"family={family!r} is not one of {NATIVE_FAMILIES}")
 
 
-def _window_config(family: str, vocab_size: int, eos_token_id: int):
-    """A tiny config of a sliding-window family (``WINDOW_FAMILIES``): hidden 64, 4 heads,
-    2 kv heads of 16 dims, windows of TINY_WINDOW tokens."""
-    from transformers import Gemma2Config, Gemma3TextConfig, MistralConfig, Phi3Config, Qwen2Config
-
-    shared = dict(
+def _tiny_shape(vocab_size: int, eos_token_id: int, **extra) -> dict:
+    """The config fields every tiny model shares: hidden 64, 4 heads, 2 kv heads, a
+    256-token context, no bos, eos = pad."""
+    return dict(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
@@ -153,8 +143,16 @@ def _window_config(family: str, vocab_size: int, eos_token_id: int):
         bos_token_id=None,
         eos_token_id=eos_token_id,
         pad_token_id=eos_token_id,
-        sliding_window=TINY_WINDOW,
+        **extra,
     )
+
+
+def _window_config(family: str, vocab_size: int, eos_token_id: int):
+    """A tiny config of a sliding-window family (``WINDOW_FAMILIES``): hidden 64, 4 heads,
+    2 kv heads of 16 dims, windows of TINY_WINDOW tokens."""
+    from transformers import Gemma2Config, Gemma3TextConfig, MistralConfig, Phi3Config, Qwen2Config
+
+    shared = _tiny_shape(vocab_size, eos_token_id, sliding_window=TINY_WINDOW)
     if family == "gemma3":  # two sliding layers, a global one, a sliding one
         return Gemma3TextConfig(
             num_hidden_layers=4,
@@ -181,6 +179,21 @@ def _window_config(family: str, vocab_size: int, eos_token_id: int):
         return MistralConfig(num_hidden_layers=2, tie_word_embeddings=False, **shared)
     if family == "phi3":
         return Phi3Config(num_hidden_layers=2, tie_word_embeddings=False, **shared)
+    if family == LONGROPE_FAMILY:  # no window; 8 of each head's 16 dims rotate
+        del shared["sliding_window"]
+        rotary = 8  # head_dim 16 x partial_rotary_factor 0.5
+        return Phi3Config(
+            num_hidden_layers=2,
+            tie_word_embeddings=True,
+            original_max_position_embeddings=TINY_LONGROPE_POSITIONS,
+            rope_parameters={
+                "rope_type": "longrope", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5,
+                "short_factor": [1.0 + 0.25 * i for i in range(rotary // 2)],
+                "long_factor": [4.0 + i for i in range(rotary // 2)],
+                "original_max_position_embeddings": TINY_LONGROPE_POSITIONS,
+            },
+            **shared,
+        )  # fmt: skip
     if family == "qwen2_mixed":  # layer 0 full attention, layer 1 sliding
         return Qwen2Config(
             num_hidden_layers=2,

@@ -33,6 +33,7 @@ if TESTS_DIR not in sys.path:
 
 from helpers import (  # noqa: E402
     LLAMA3_ROPE_PARAMETERS,
+    LONGROPE_FAMILY,
     NATIVE_FAMILIES,
     TINY_FAMILIES,
     WINDOW_FAMILIES,
@@ -161,14 +162,14 @@ def tiny_model_dir(request: pytest.FixtureRequest) -> Path:
 
 @pytest.fixture(scope="session")
 def window_family_dirs(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path):
-    """Tiny random models of every sliding-window family (``WINDOW_FAMILIES``), built on
-    first use: family -> directory."""
+    """Tiny random models of every sliding-window family (``WINDOW_FAMILIES``) and of
+    ``LONGROPE_FAMILY``, built on first use: family -> directory."""
     root = tmp_path_factory.mktemp("window_families")
     built: dict[str, Path] = {}
 
     def build(family: str) -> Path:
         if family not in built:
-            seed = 7000 + WINDOW_FAMILIES.index(family)
+            seed = 7000 + (*WINDOW_FAMILIES, LONGROPE_FAMILY).index(family)
             built[family] = build_tiny_model(root / family, family, tiny_tokenizer_dir, seed)
         return built[family]
 

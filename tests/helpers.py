@@ -17,9 +17,11 @@ import torch
 from llm_operator_bench.tiny import (  # noqa: F401 (the tests import them from here)
     CHATML_TEMPLATE,
     EOS_TOKEN,
+    LONGROPE_FAMILY,
     NATIVE_FAMILIES,
     SPECIAL_TOKENS,
     TINY_INITIALIZER_RANGE,
+    TINY_LONGROPE_POSITIONS,
     TINY_VOCAB_TARGET,
     TINY_WINDOW,
     WINDOW_FAMILIES,

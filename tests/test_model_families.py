@@ -14,7 +14,13 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import TINY_WINDOW, WINDOW_FAMILIES, hf_generate_greedy
+from helpers import (
+    LONGROPE_FAMILY,
+    TINY_LONGROPE_POSITIONS,
+    TINY_WINDOW,
+    WINDOW_FAMILIES,
+    hf_generate_greedy,
+)
 from test_hf_backend import assert_matches_hf, three_level_prompts
 
 from llm_operator import LLMOperator, SamplingParams
@@ -46,7 +52,7 @@ def test_window_families_match_hf_generate(family, window_family_dirs):
     assert min(len(i) for i in ids) < TINY_WINDOW < min(len(i) for i in ids) + 16
 
 
-@pytest.mark.parametrize("family", ["gemma3", "mistral_window", "qwen2_mixed"])
+@pytest.mark.parametrize("family", ["gemma3", "mistral_window", "qwen2_mixed", "phi3"])
 @pytest.mark.parametrize("kernels", ["cpp", "torch"])
 def test_window_kernels_match_hf_generate(family, kernels, window_family_dirs, monkeypatch):
     """The fast (not batch-invariant) compiled kernels, and the torch kernels, which also
@@ -105,15 +111,9 @@ def test_unsupported_families_say_what_runs_them():
         native_config(GPT2Config())
     with pytest.raises(ValueError, match="multimodal Gemma 3.*gemma3_text"):
         native_config(Gemma3Config())
-    longrope = Phi3Config(
-        rope_parameters={
-            "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 48,
-            "long_factor": [2.0] * 48, "original_max_position_embeddings": 4096,
-        },
-        max_position_embeddings=131072,
-    )  # fmt: skip
-    with pytest.raises(ValueError, match="rope_type='longrope'"):
-        native_config(longrope)
+    odd = Phi3Config(rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.31})
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.31 rotates 29 of 96"):
+        native_config(odd)
 
 
 def test_gemma3_bfloat16_logits_match_hf(window_family_dirs):
@@ -202,3 +202,44 @@ def test_mixed_layers_keep_every_block(window_family_dirs):
     results = op.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     assert_matches_hf(op, model_dir, prompts, results, 8, ignore_eos=True)
     assert op.backend().last_profile.window_freed_blocks == 0
+
+
+def test_longrope_and_partial_rotary_match_hf_generate(window_family_dirs):
+    """Phi-3.5 / Phi-4-mini's rope: longrope's short factors (HF's while a row stays
+    within the pretraining length) and half of each head rotated. The native engine keeps
+    rows within that length: a longer prompt is that row's error, a row that would
+    outgrow it stops there; the hf backend runs both."""
+    model_dir = window_family_dirs(LONGROPE_FAMILY)
+    op = LLMOperator(model_dir, backend="native", kv_block_size=4)
+    assert op.max_context == TINY_LONGROPE_POSITIONS
+    config = op.backend().model.config
+    assert (config.rotary_dim, config.head_dim) == (8, 16)
+    prompts = [p for p in _prompts() if len(op.tokenizer(p)["input_ids"]) <= 40]
+    assert len(prompts) >= 4
+    results = op.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert_matches_hf(op, model_dir, prompts, results, 12, ignore_eos=True)
+    long = three_level_prompts()[0]
+    assert len(op.tokenizer(long)["input_ids"]) > TINY_LONGROPE_POSITIONS
+    refused = op.generate([long], SamplingParams(max_tokens=4))[0]
+    assert refused.finish_reason == "error" and "context of 64" in refused.error
+    near = max(prompts, key=lambda p: len(op.tokenizer(p)["input_ids"]))
+    stopped = op.generate([near], SamplingParams(max_tokens=60, ignore_eos=True))[0]
+    assert stopped.prompt_tokens + stopped.completion_tokens == TINY_LONGROPE_POSITIONS
+    hf = LLMOperator(model_dir, backend="hf")
+    assert hf.max_context == 256
+    assert hf.generate([long], SamplingParams(max_tokens=4))[0].finish_reason != "error"
+
+
+def test_triton_kernels_leave_windows_to_torch(window_family_dirs, monkeypatch):
+    """The Triton kernels do not take sliding windows yet: a windowed step refuses them,
+    and the engine runs such models on the torch kernels where Triton would run."""
+    from llm_operator import kernels
+
+    assert not kernels.triton_windows()
+    monkeypatch.setenv("LLM_OPERATOR_KERNELS", "triton")
+    model_dir = window_family_dirs("gemma3")
+    op = LLMOperator(model_dir, backend="native", kv_block_size=8, cuda_graphs="off")
+    prompts = three_level_prompts()[:4]
+    results = op.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert op.backend()._implementation() == "torch"
+    assert_matches_hf(op, model_dir, prompts, results, 6, ignore_eos=True)

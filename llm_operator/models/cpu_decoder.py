@@ -76,6 +76,7 @@ class CompiledDecoder:
             and config.num_layers > 0
             and all(layer.fuse_activation for layer in model.layers)
             and not config.gemma  # Llama's layer structure only
+            and not config.partial_rotary  # its RoPE rotates whole heads
             and config.attn_softcap is None
             and len(set(config.layer_windows)) == 1  # one attention layout for every layer
             and all(packed is not None for _, packed, _ in self.projections)

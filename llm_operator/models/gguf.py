@@ -107,7 +107,8 @@ def convert_gguf_cached(
 ) -> Path:
     """The cached Hugging Face directory converted from `gguf_path`, converting if needed.
 
-    `converter` defaults to `convert_gguf_to_directory` (about 30-60 s for SmolLM2-135M).
+    `converter` defaults to `convert_gguf_to_directory` (about 30-60 s for SmolLM2-135M,
+    about 65 s for Gemma 3 270M on 2 cores).
     """
     if not gguf_path.is_file():
         raise FileNotFoundError(f"gguf_path={str(gguf_path)!r} is not a file")

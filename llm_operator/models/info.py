@@ -19,6 +19,9 @@ class ModelInfo(NamedTuple):
     max_context: int  # tokens a row may span: prompt + generated
     eos_token_ids: frozenset[int]
     native_unsupported: str | None  # why backend="native" cannot run it (None: it can)
+    # tokens a row may span on the native engine: max_context, or less where its rope is
+    # exact only within a shorter length (longrope's short factors)
+    native_max_context: int
 
 
 def read_model_info(path: Path, tokenizer, *, trust_remote_code: bool = False) -> ModelInfo:
@@ -30,12 +33,14 @@ def read_model_info(path: Path, tokenizer, *, trust_remote_code: bool = False) -
         path, trust_remote_code=trust_remote_code, local_files_only=True
     )
     max_context = model_context_length(config, tokenizer)
+    unsupported, native_max_context = _native_support(config, max_context)
     return ModelInfo(
         Path(path),
         config,
         max_context,
         eos_token_ids(load_generation_config(path), tokenizer),
-        _native_unsupported(config),
+        unsupported,
+        native_max_context,
     )
 
 
@@ -61,14 +66,15 @@ def eos_token_ids(generation_config, tokenizer) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else eos)
 
 
-def _native_unsupported(config) -> str | None:
+def _native_support(config, max_context: int) -> tuple[str | None, int]:
+    """(why backend="native" cannot run the model, or None; the context it runs rows to)."""
     from llm_operator.models.llama import native_config
 
     try:
-        native_config(config)
+        native = native_config(config)
     except ValueError as error:
-        return str(error)
-    return None
+        return str(error), max_context
+    return None, min(max_context, native.rope_positions or max_context)
 
 
 def open_model(model, config) -> tuple[Any, Any, ModelInfo]:

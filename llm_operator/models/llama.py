@@ -48,9 +48,11 @@ from llm_operator.models.gemm import DEFAULT_GEMM, GemmChoice, pack_weight
 from llm_operator.models.rope import (
     RotaryEmbedding,
     apply_rotary,
+    longrope_positions,
     per_layer_type,
     rope_inverse_frequencies,
     rope_type,
+    rotary_dim,
 )
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text")
@@ -95,6 +97,13 @@ class NativeConfig:
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     fused_checkpoint: bool = False  # qkv_proj and gate_up_proj stored fused (Phi-3)
     local_rope: bool = False  # sliding-window layers have their own rope (Gemma 3)
+    rotary_dim: int | None = None  # head dims RoPE rotates (None: all; Phi-4-mini: 3/4)
+    # longrope: positions its short factors serve (the native engine keeps rows within)
+    rope_positions: int | None = None
+
+    @property
+    def partial_rotary(self) -> bool:
+        return self.rotary_dim is not None and self.rotary_dim < self.head_dim
 
     @property
     def scale(self) -> float:
@@ -126,11 +135,15 @@ def native_config(hf_config: Any) -> NativeConfig:
         )
     gemma = model_type in GEMMA_TYPES
     local_rope = per_layer_type(hf_config)
-    if local_rope:
-        for kind in sorted(set(getattr(hf_config, "layer_types", None) or [])):
-            rope_type(hf_config, kind)  # raises for unsupported rope types
-    else:
-        rope_type(hf_config)  # raises for unsupported rope types
+    num_heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    kinds = sorted(set(getattr(hf_config, "layer_types", None) or [])) if local_rope else [None]
+    for kind in kinds:
+        rope_type(hf_config, kind)  # raises for unsupported rope types
+    rotary = {rotary_dim(hf_config, head_dim, kind) for kind in kinds}
+    if len(rotary) != 1:
+        raise ValueError(f"model_type={model_type!r}: rotary dims {sorted(rotary)} differ by layer")
+    positions = {longrope_positions(hf_config, kind) for kind in kinds} - {None}
     if getattr(hf_config, "mlp_bias", False):
         raise ValueError(f"model_type={model_type!r} with mlp_bias=True is not supported")
     if getattr(hf_config, "use_bidirectional_attention", False):
@@ -142,7 +155,6 @@ def native_config(hf_config: Any) -> NativeConfig:
     hidden_act = hidden_act or hf_config.hidden_act
     if hidden_act not in ACT2FN:
         raise ValueError(f"hidden_act={hidden_act!r} is not a transformers activation")
-    num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     if num_heads % num_kv_heads:
         raise ValueError(f"num_attention_heads={num_heads} is not a multiple of {num_kv_heads=}")
@@ -161,7 +173,7 @@ def native_config(hf_config: Any) -> NativeConfig:
         num_layers=hf_config.num_hidden_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
-        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
+        head_dim=head_dim,
         rms_norm_eps=float(hf_config.rms_norm_eps),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         attention_bias=attention_bias,
@@ -175,6 +187,8 @@ def native_config(hf_config: Any) -> NativeConfig:
         final_softcap=_cap(getattr(hf_config, "final_logit_softcapping", None)),
         fused_checkpoint=model_type == "phi3",
         local_rope=local_rope,
+        rotary_dim=rotary.pop(),
+        rope_positions=min(positions) if positions else None,
     )
 
 
@@ -324,7 +338,10 @@ class DecoderLayer(nn.Module):
         )
         rope_store = getattr(ops, "qkv_rope_store", None)
         cache = getattr(attention, "cache", None)
-        if rope_store is not None and cache is not None:
+        if config.partial_rotary:  # the fused regions rotate whole heads: eagerly here
+            q, k, v = fused.qkv_rope(*rope)
+            out = attention(self.layer_index, q, k, v)
+        elif rope_store is not None and cache is not None:
             # one launch splits qkv, rotates q and k and stores k, v in the paged cache
             q = rope_store(*rope, *cache(self.layer_index))[0]  # q: [T, heads, dim]
             out = attention.attend(self.layer_index, q)  # [T, heads, dim]
@@ -367,7 +384,7 @@ class DecoderLayer(nn.Module):
         heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
         q_norm = None if self.q_norm is None else self.q_norm.weight
         k_norm = None if self.k_norm is None else self.k_norm.weight
-        if hidden.dtype == torch.float32:  # the fused region's arithmetic is Gemma's here
+        if hidden.dtype == torch.float32 and not config.partial_rotary:  # Gemma's arithmetic
             q, k, v = ops.qkv_rope(qkv, cos, sin, q_norm, k_norm, eps, heads, kv_heads, dim)
         else:
             q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)

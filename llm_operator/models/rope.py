@@ -10,10 +10,14 @@ so that a position's values never depend on the step it is in).
 Supported rope types: "default", "linear", "llama3", "yarn" (position independent),
 and "dynamic", which equals the unscaled rope for positions below
 max_position_embeddings (HF rescales only past that length, per batch); the engine
-keeps sequences within max_position_embeddings. "longrope" (switches frequencies by
-sequence length) raises ValueError. Parameters given per layer type (Gemma 3: a local
-base for sliding-window layers, a global one for full attention) are read per
-``layer_type``.
+keeps sequences within max_position_embeddings. "longrope" (Phi-3.5, Phi-4-mini) runs
+with its short factors, which HF uses while a sequence stays within the pretraining
+length (``original_max_position_embeddings``; past it HF switches every position of a
+forward to the long factors): the native engine keeps its rows within that length
+(``longrope_positions``). Parameters given per layer type (Gemma 3: a local base for
+sliding-window layers, a global one for full attention) are read per ``layer_type``.
+A partial rotary factor (Phi-4-mini: 0.75) rotates the first dimensions of each head
+only (``rotary_dim``).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
@@ -51,7 +55,7 @@ def per_layer_type(hf_config: Any) -> bool:
 
 
 def rope_type(hf_config: Any, layer_type: str | None = None) -> str:
-    """The config's rope type; ValueError unless it is in SUPPORTED_ROPE_TYPES and rotates all dims."""
+    """The config's rope type; ValueError unless it is in SUPPORTED_ROPE_TYPES."""
     parameters = rope_parameters(hf_config, layer_type)
     kind = parameters.get("rope_type", parameters.get("type", "default"))
     if kind not in SUPPORTED_ROPE_TYPES:
@@ -59,14 +63,35 @@ def rope_type(hf_config: Any, layer_type: str | None = None) -> str:
             f"model_type={getattr(hf_config, 'model_type', None)!r}: rope_type={kind!r} is not "
             f"supported by the native engine; supported rope types: {SUPPORTED_ROPE_TYPES}"
         )
+    return kind
+
+
+def rotary_dim(hf_config: Any, head_dim: int, layer_type: str | None = None) -> int:
+    """Dimensions of each head that RoPE rotates: head_dim times the partial rotary factor
+    (HF's rounding), an even number."""
+    parameters = rope_parameters(hf_config, layer_type)
     partial = parameters.get(
         "partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)
     )
-    if partial not in (None, 1.0):
+    dim = int(head_dim * (1.0 if partial is None else float(partial)))
+    if not 0 < dim <= head_dim or dim % 2:
         raise ValueError(
-            f"partial_rotary_factor={partial!r} is not supported by the native engine (only 1.0)"
+            f"partial_rotary_factor={partial!r} rotates {dim} of {head_dim} head dimensions; the "
+            "native engine needs an even number of at least 2"
         )
-    return kind
+    return dim
+
+
+def longrope_positions(hf_config: Any, layer_type: str | None = None) -> int | None:
+    """For a "longrope" config, the positions its short factors serve
+    (``original_max_position_embeddings``); None for every other rope type."""
+    if rope_type(hf_config, layer_type) != "longrope":
+        return None
+    parameters = rope_parameters(hf_config, layer_type)
+    original = parameters.get("original_max_position_embeddings") or getattr(
+        hf_config, "original_max_position_embeddings", None
+    )
+    return int(original) if original else None
 
 
 def rope_inverse_frequencies(
@@ -76,10 +101,11 @@ def rope_inverse_frequencies(
     ``layer_type``, where the config gives rope parameters per layer type), as HF computes
     them."""
     kind = rope_type(hf_config, layer_type)
+    dim = rotary_dim(hf_config, head_dim, layer_type)
     with torch.device("cpu"):  # also when the model is being built under torch.device("meta")
         if kind == "default":
             base = rope_parameters(hf_config, layer_type).get("rope_theta") or 10_000.0
-            exponents = torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim
+            exponents = torch.arange(0, dim, 2, dtype=torch.float) / dim
             return 1.0 / (base**exponents), 1.0
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -88,8 +114,8 @@ def rope_inverse_frequencies(
         inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](
             copy.deepcopy(hf_config), torch.device("cpu"), **extra
         )
-    assert inv_freq.shape == (head_dim // 2,), (
-        f"rope {kind!r} gave inv_freq of shape {tuple(inv_freq.shape)} for head_dim={head_dim}"
+    assert inv_freq.shape == (dim // 2,), (
+        f"rope {kind!r} gave inv_freq of shape {tuple(inv_freq.shape)} for {dim} rotary dims"
     )
     return inv_freq.float(), float(attention_scaling)
 
@@ -151,6 +177,12 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [T, heads, head_dim], cos/sin [T, head_dim] -> rotated x, same shape and dtype."""
+    """x [T, heads, head_dim], cos/sin [T, rotary dims] -> rotated x, same shape and dtype;
+    with fewer rotary dims than head_dim (a partial rotary factor) the first ones rotate
+    and the rest pass through, as HF's ``apply_rotary_pos_emb``."""
+    rotated = cos.shape[-1]
     cos, sin = cos[:, None, :], sin[:, None, :]
+    if rotated < x.shape[-1]:
+        head, rest = x[..., :rotated], x[..., rotated:]
+        return torch.cat(((head * cos) + (rotate_half(head) * sin), rest), dim=-1)
     return (x * cos) + (rotate_half(x) * sin)

@@ -143,10 +143,14 @@ class NativeBackend:
     def _implementation(self) -> str:
         """The attention kernels of this backend's device and dtype
         (``kernels.step_implementation``); the torch kernels for soft-capped attention
-        scores (Gemma 2), which the others do not compute."""
+        scores (Gemma 2), which the others do not compute, and for sliding windows where
+        the Triton kernels do not take them (``kernels.triton_windows``)."""
         if self.config.attn_softcap is not None:
             return "torch"
-        return kernels.step_implementation(torch.empty(0, device=self.device, dtype=self.dtype))
+        name = kernels.step_implementation(torch.empty(0, device=self.device, dtype=self.dtype))
+        if name == "triton" and self.config.sliding_window is not None:
+            return name if kernels.triton_windows() else "torch"
+        return name
 
     def _kv_pool(self, implementation: str, num_blocks: int) -> tuple[list, list]:
         """Per-layer K and V caches of at least ``num_blocks`` blocks in ``implementation``'s
