@@ -43,6 +43,7 @@ class LLMOperator:
     """
 
     def __init__(self, model: str | os.PathLike, **options) -> None:
+        from llm_operator.engine.factory import max_context
         from llm_operator.models.info import open_model
 
         option_table.split(options, ["engine"])  # TypeError naming an unknown option
@@ -53,10 +54,7 @@ class LLMOperator:
             require_vllm()
         self.model, self.tokenizer, self.model_info = open_model(model, self.config)
         self.model_config = self.model_info.config
-        info = self.model_info  # the native engine may run rows to a shorter context
-        self.max_context = (
-            info.native_max_context if self.backend_name == "native" else info.max_context
-        )
+        self.max_context = max_context(self.model_info, self.backend_name)
         self.last_stats = RunStats()
         self._backend: Backend | None = None
         self._constraints = None

@@ -192,10 +192,18 @@ def test_rope_tables_equal_hf(rope_type: str) -> None:
         "dynamic": {"rope_type": "dynamic", "rope_theta": 10_000.0, "factor": 2.0},
         "llama3": LLAMA3_ROPE_PARAMETERS,
         "yarn": {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0},
+        "longrope": {  # Phi-3.5's shape: short factors up to original_max_position_embeddings
+            "rope_type": "longrope",
+            "rope_theta": 10_000.0,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+            "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0],
+            "original_max_position_embeddings": 128,
+        },
     }[rope_type]
     config = tiny_config("llama", 512, 0, rope_parameters=parameters)
     rotary = RotaryEmbedding(*rope_inverse_frequencies(config, head_dim=16))
-    positions = torch.arange(config.max_position_embeddings)
+    # longrope is exact within the positions its short factors serve (the engine keeps rows there)
+    positions = torch.arange(128 if rope_type == "longrope" else config.max_position_embeddings)
     cos, sin = rotary(positions, torch.float32)
     x = torch.zeros(1, 1, 16)
     expected_cos, expected_sin = LlamaRotaryEmbedding(config)(x, positions[None])

@@ -11,11 +11,18 @@ from llm_operator.models.info import ModelInfo
 
 
 def choose_backend(config: EngineConfig, info: ModelInfo) -> str:
-    """``auto`` picks ``native`` for the architectures the native engine supports (Llama,
-    Qwen2, Qwen3, Mistral; no sliding window shorter than the context), else ``hf``."""
+    """``auto`` picks ``native`` for the architectures the native engine supports
+    (``models.llama.SUPPORTED_MODEL_TYPES``), else ``hf``."""
     if config.backend != "auto":
         return config.backend
     return "native" if info.native_unsupported is None else "hf"
+
+
+def max_context(info: ModelInfo, backend_name: str) -> int:
+    """The longest row (prompt + output tokens) the backend runs: the model's context, or
+    for the native engine a shorter one where it is exact only there (longrope's short
+    factors)."""
+    return info.native_max_context if backend_name == "native" else info.max_context
 
 
 def invariant_kernels(config: EngineConfig, backend_name: str) -> bool:
