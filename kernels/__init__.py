@@ -180,6 +180,7 @@ def ensure_checked(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     head_dim: int = 32,
+    windowed: bool = False,
 ) -> str | None:
     """Self-check the Triton kernels on ``device`` and ``dtype`` once per process; on a
     failure, route every later operation on ``device`` to the torch reference.
@@ -191,7 +192,9 @@ def ensure_checked(
     does nothing (None) when ``LLM_OPERATOR_KERNELS`` is set (``triton`` forces the kernels
     unchecked, ``torch`` needs none) or when ``device``'s tensors go to the torch reference
     anyway. Otherwise runs ``self_check.check_triton(device, dtype, ...)`` with the
-    model's head shape the first time a (device, dtype, head shape) is seen, first in a
+    model's head shape (and, ``windowed``, the sliding-window kernels a model with
+    sliding-window layers launches) the first time a (device, dtype, head shape,
+    windowed) is seen, first in a
     child process and then here only if it passed there (``triton_proof``: a crash fails
     the check instead of killing the process; the child's verdict is cached on disk per
     machine kind), and caches its result; a failure warns once (RuntimeWarning: which
@@ -215,7 +218,7 @@ def ensure_checked(
     if forced or device.type not in _TRITON_DEVICE_TYPES:
         return None
     device_key = _device_key(device)
-    key = (*device_key, dtype, num_heads, num_kv_heads, head_dim)
+    key = (*device_key, dtype, num_heads, num_kv_heads, head_dim, windowed)
     with _check_lock:
         if key in _check_results:
             return _check_results[key]
@@ -227,6 +230,7 @@ def ensure_checked(
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
+            windowed=windowed,
         )
         _check_results[key] = reason
         if reason is not None:

@@ -26,6 +26,13 @@ split its keys and run the combine kernel) and level 2 (largest tile).
 blamed on the attention before it. Pass the model's head shape to check the kernel
 specializations the model will launch.
 
+``windowed=True`` (a model with sliding-window layers) also checks the sliding-window
+kernel: the same step under a window of ``WINDOW`` keys (``metadata.windowed``, every row
+kept in its segments): ``own_attention`` (rows masked before their window) and
+``prefix_attention`` on level 1 (the rows see its last keys only: the key tiles before
+them are skipped) and level 2 (segment B partly seen, wholly missed by its later rows:
+out 0, lse -inf). Three launches more.
+
 Cost: tiny shapes, a dozen launches and a CPU oracle; the first run in a fresh Triton
 cache also compiles the kernels (most of which the model's first steps would compile
 anyway). Under the Triton interpreter (CPU tensors, ``TRITON_INTERPRET=1``) it takes a
@@ -43,7 +50,7 @@ from torch import Tensor
 
 from llm_operator.kernels import metadata, torch_attention
 
-__all__ = ["LEVEL1_LENGTH", "LSE_TOLERANCE", "OUT_TOLERANCE", "check_triton"]
+__all__ = ["LEVEL1_LENGTH", "LSE_TOLERANCE", "OUT_TOLERANCE", "WINDOW", "check_triton"]
 
 # The Triton tests' tolerances (same inputs, fp32 inside, outputs rounded to the dtype),
 # defined in tests/test_kernels_torch.py; tests/test_kernels_self_check.py asserts
@@ -60,6 +67,9 @@ LSE_TOLERANCE: dict[str, float] = {"atol": 2e-5, "rtol": 1e-5}
 # (the interpreter never splits).
 LEVEL1_LENGTH = 520
 _LEVEL2_LENGTHS = (7, 20)
+# The sliding window of ``windowed=True``: shorter than request 1's own tokens (its rows
+# are masked), level 1 and segment B (each partly seen; B wholly missed by later rows).
+WINDOW = 20
 _BLOCK_SIZE = 16
 _SEED = 20240917
 _MAX_REASON = 300
@@ -72,6 +82,7 @@ def check_triton(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     head_dim: int = 32,
+    windowed: bool = False,
 ) -> str | None:
     """None when the Triton kernels agree with the torch reference on ``device`` and
     ``dtype``, else one line saying which operation failed and how.
@@ -81,6 +92,7 @@ def check_triton(
     dtype:     float16, bfloat16 or float32 (q and the cache)
     num_heads, num_kv_heads, head_dim: the attention shape to check with (num_heads a
                multiple of num_kv_heads)
+    windowed:  also check the sliding-window kernel (three more launches)
     Raises ValueError for a bad dtype or head shape only: any other exception (triton
     missing, a compile error, a launch error) becomes the reason. Leaves no state behind
     but Triton's caches.
@@ -125,6 +137,19 @@ def check_triton(
              (case.decode_q, *cache, case.decode_batch, scale), expected.decode),
             ("merge_attention_states", kernels.merge_attention_states, (parts,), expected.merged),
         ]  # fmt: skip
+        if windowed:
+            operation = "windowed setup"
+            own, levels = case.windowed(on_device=True)
+            own_cpu, levels_cpu = case.windowed(on_device=False)
+            cpu_cache = (case.expected_k_cache, case.expected_v_cache)
+            for name, batch, batch_cpu in zip(("level 1", "level 2"), levels, levels_cpu):
+                want = torch_attention.prefix_attention(case.q_cpu, *cpu_cache, batch_cpu, scale)
+                label = f"prefix_attention ({name}, window {WINDOW})"
+                args = (case.q, *cache, batch, scale)
+                checks.append((label, kernels.prefix_attention, args, want))
+            want = torch_attention.own_attention(case.q_cpu, *cpu_cache, own_cpu, scale)
+            checks.append((f"own_attention (window {WINDOW})", kernels.own_attention,
+                           (case.q, *cache, own, scale), want))  # fmt: skip
         for operation, function, args, want in checks:
             reason = _compare_output(function(*args), want, dtype)
             if reason:
@@ -207,6 +232,13 @@ class _Case:
         self.q_cpu = torch.randn(num_rows, num_heads, head_dim, generator=generator).to(dtype)
         self.q = self.q_cpu.to(device)
         last_rows = [end - 1 for end in starts[1:]]
+        # each row's position in its sequence (its segments' tokens, then its own)
+        prefixes = [LEVEL1_LENGTH + _LEVEL2_LENGTHS[0], LEVEL1_LENGTH, _LEVEL2_LENGTHS[1]]
+        self._positions = [
+            prefix + own - count + j
+            for prefix, (own, count) in zip(prefixes, requests)
+            for j in range(count)
+        ]
         self.decode_q = self.q[last_rows]
         self._decode_q_cpu = self.q_cpu[last_rows]
 
@@ -231,10 +263,20 @@ class _Case:
                 ],
             )
 
-        device_batches = batches(device)
+        device_batches = self._device_batches = batches(device)
         self.own_batch, self.decode_batch = device_batches.own, device_batches.decode
         self.prefix_batches = device_batches.prefix
         self._cpu_batches = batches(torch.device("cpu"))
+
+    def windowed(self, on_device: bool) -> tuple[metadata.OwnBatch, list[metadata.PrefixBatch]]:
+        """The step's batches (on the device, or the CPU's for the oracle) under the
+        sliding window ``WINDOW``, every row kept in its segments (``drop=False``: a row
+        that sees none of one gets out 0, lse -inf there)."""
+        batches = self._device_batches if on_device else self._cpu_batches
+        starts = [[0], [LEVEL1_LENGTH, 0]]  # segment A follows level 1, B starts a sequence
+        return metadata.windowed(
+            batches.own, batches.prefix, self._positions, starts, WINDOW, drop=False
+        )
 
     def device_caches(self) -> tuple[Tensor, Tensor]:
         """Fresh device copies of the caches before this step's store."""

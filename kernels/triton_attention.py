@@ -161,6 +161,8 @@ def _paged_attention_kernel(
     work_ptr,  # [W, 6] int32: (table row, first, row count, key_begin, key_end, split)
     rows_ptr,  # [N] q row indices (INDIRECT) or unused
     table_ptr,  # [S or B, max_blocks] block ids
+    lows_ptr,  # [N] int32 aligned with rows_ptr: each row's first visible key (WINDOWED prefix)
+    window,  # sliding window of an own batch (WINDOWED, not INDIRECT)
     scale,  # softmax scale * log2(e)
     block_size,
     head_dim,
@@ -187,6 +189,7 @@ def _paged_attention_kernel(
     INDIRECT: tl.constexpr,  # rows come through rows_ptr (prefix) or are contiguous (own)
     CAUSAL: tl.constexpr,
     MERGE: tl.constexpr,  # merge into the rows' (out, lse) state instead of overwriting it
+    WINDOWED: tl.constexpr,  # sliding window: keys before a row's first visible key are out
     MMA_DTYPE: tl.constexpr,  # operand dtype of the two matrix products
     PRECISION: tl.constexpr,  # "ieee" for fp32 operands
     BLOCK_M: tl.constexpr,  # packed (row, head of the group) pairs per tile
@@ -199,7 +202,9 @@ def _paged_attention_kernel(
     INDIRECT, else the first q row), ``count`` rows, the key range, and the ``split`` the
     result goes to (its offset is split * stride_os). Causal (key_begin 0): row r of the
     tile sits at position key_end - count + r and sees keys up to it; else every row sees
-    the whole range.
+    the whole range. WINDOWED: a row sees no key before its low (own: position - window +
+    1; prefix: lows_ptr's entry), and the loop starts at the tile's lowest low: key tiles
+    before every row's window are skipped, not masked.
     """
     item = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -235,7 +240,15 @@ def _paged_attention_kernel(
     k_base = k_cache_ptr + kv_head64 * stride_kh
     v_base = v_cache_ptr + kv_head64 * stride_vh
     table_base = table_ptr + table * stride_table
-    for start in range(key_begin, key_end, BLOCK_N):
+    loop_begin = key_begin
+    if WINDOWED:
+        if INDIRECT:
+            low = tl.load(lows_ptr + first + r, mask=row_valid, other=0)
+        else:
+            low = position - window + 1
+        low = tl.where(row_valid, low, key_end)  # [M]
+        loop_begin = tl.maximum(key_begin, tl.min(low, axis=0))
+    for start in range(loop_begin, key_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)  # [N] positions in the segment / request
         key_valid = keys < key_end
         block = tl.load(table_base + keys // block_size, mask=key_valid, other=0).to(tl.int64)
@@ -262,6 +275,8 @@ def _paged_attention_kernel(
             visible = key_valid[None, :] & (keys[None, :] <= position[:, None])
         else:
             visible = key_valid[None, :] & row_valid[:, None]
+        if WINDOWED:
+            visible &= keys[None, :] >= low[:, None]
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         # A row that has seen no key yet keeps m = -inf: shift it by 0 (its weights are 0).
@@ -548,6 +563,8 @@ _SM_COUNTS: dict[int, int] = {}
 # Key splits of a long segment read by few row tiles (flash-decoding): at least this many
 # keys per split, at most this many splits.
 SPLIT_MIN_KEYS = 256
+# The kernels take sliding windows (``kernels.triton_windows``).
+TAKES_WINDOWS = True
 MAX_SPLITS = 16
 
 
@@ -664,10 +681,13 @@ def _launch_attention(
     causal: bool,
     state: AttentionOutput | None = None,
     merge: bool = False,
+    window: int = 0,
+    lows: Tensor | None = None,
 ) -> AttentionOutput:
     """The kernels' launch. ``state``: write into these (out, lse) buffers (``attend``)
     rather than new zero-filled ones; ``merge``: merge into what they hold, in place, by
-    log-sum-exp, rather than overwrite it."""
+    log-sum-exp, rather than overwrite it. Sliding windows: ``window`` (own batches,
+    ``OwnBatch.window``) or ``lows`` (prefix batches, ``PrefixBatch.key_start``)."""
     block_m, block_n, block_d, num_warps, num_stages = plan.config
     num_rows, num_heads, head_dim = q.shape
     if state is not None:
@@ -699,6 +719,8 @@ def _launch_attention(
         plan.work,
         rows,
         table,
+        rows if lows is None else lows,
+        window,
         scale * _LOG2E,
         k_cache.shape[1],
         head_dim,
@@ -714,6 +736,7 @@ def _launch_attention(
         INDIRECT=not causal,
         CAUSAL=causal,
         MERGE=merge and plan.num_splits == 1,
+        WINDOWED=bool(window) or lows is not None,
         MMA_DTYPE=mma,
         PRECISION=precision,
         BLOCK_M=block_m,
@@ -806,7 +829,9 @@ def own_attention(
     _check_batch_index("block_tables", batch.block_tables, 2)
     plan = _plan(batch, q, k_cache, group, batch.max_query_rows, _own_plan)
     table = batch.block_tables
-    return _launch_attention(q, k_cache, v_cache, scale, group, plan, table, table, causal=True)
+    return _launch_attention(
+        q, k_cache, v_cache, scale, group, plan, table, table, causal=True, window=batch.window
+    )
 
 
 def prefix_attention(
@@ -831,8 +856,9 @@ def prefix_attention(
     _check_batch_index("rows", batch.rows, 1)
     plan = _plan(batch, q, k_cache, group, batch.max_segment_rows, _prefix_plan)
     return _launch_attention(
-        q, k_cache, v_cache, scale, group, plan, batch.rows, batch.block_tables, causal=False
-    )
+        q, k_cache, v_cache, scale, group, plan, batch.rows, batch.block_tables, causal=False,
+        lows=batch.key_start,
+    )  # fmt: skip
 
 
 def attend(
@@ -868,7 +894,8 @@ def attend(
         return state.out.to(q.dtype)
     # every row of an own batch is covered: its kernel writes the whole state
     _launch_attention(q, k_cache, v_cache, scale, group, plan, own.block_tables,
-                      own.block_tables, causal=True, state=state, merge=False)  # fmt: skip
+                      own.block_tables, causal=True, state=state, merge=False,
+                      window=own.window)  # fmt: skip
     for batch in prefixes:
         check_launch(q, k_cache, v_cache, batch, PrefixBatch)
         _check_batch_index("block_tables", batch.block_tables, 2)
@@ -876,7 +903,8 @@ def attend(
         plan = _plan(batch, q, k_cache, group, batch.max_segment_rows, _prefix_plan)
         if plan.work.shape[0]:
             _launch_attention(q, k_cache, v_cache, scale, group, plan, batch.rows,
-                              batch.block_tables, causal=False, state=state, merge=True)  # fmt: skip
+                              batch.block_tables, causal=False, state=state, merge=True,
+                              lows=batch.key_start)  # fmt: skip
     return state.out if state.out.dtype == q.dtype else state.out.to(q.dtype)
 
 

@@ -48,10 +48,12 @@ def proven_check_triton(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     head_dim: int = 32,
+    windowed: bool = False,
 ) -> str | None:
     """``self_check.check_triton``'s result, run first in a child process (``PROBE``,
     cached): the child's failure (a crash, a hang, a disagreement) when it failed there,
-    else ``check_triton`` run in this process. ValueError for a bad dtype or head shape."""
+    else ``check_triton`` run in this process. ValueError for a bad dtype or head shape.
+    ``windowed``: also the sliding-window kernel (``check_triton``'s)."""
     device = torch.device(device)
     if dtype not in self_check.OUT_TOLERANCE:
         raise ValueError(
@@ -68,6 +70,8 @@ def proven_check_triton(
         "num_kv_heads": num_kv_heads,
         "head_dim": head_dim,
     }
+    if windowed:  # absent otherwise: the window-less proofs keep their arguments
+        arguments["windowed"] = True
     verdict = artifact_proof.prove(
         "Triton self-check",
         PROBE,
@@ -80,13 +84,15 @@ def proven_check_triton(
         return self_check._clip(f"it failed in a child process: {verdict.reason}")
     artifact_proof.announce_load("the Triton attention kernels (self-check) on", device)
     return self_check.check_triton(
-        device, dtype, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
-    )
+        device, dtype, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        **_windowed(windowed),
+    )  # fmt: skip
 
 
 def prove_triton(
-    device: str, dtype: str, num_heads: int, num_kv_heads: int, head_dim: int
-) -> str | None:
+    device: str, dtype: str, num_heads: int, num_kv_heads: int, head_dim: int,
+    windowed: bool = False,
+) -> str | None:  # fmt: skip
     """The child's side of ``proven_check_triton``: ``check_triton`` on JSON-able arguments."""
     return self_check.check_triton(
         device,
@@ -94,7 +100,14 @@ def prove_triton(
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
+        **_windowed(windowed),
     )
+
+
+def _windowed(windowed: bool) -> dict:
+    """``check_triton``'s windowed argument, passed only when set (a window-less call keeps
+    the arguments it always had)."""
+    return {"windowed": True} if windowed else {}
 
 
 def proven_check_triton_fused(

@@ -171,12 +171,17 @@ def test_merge(dtype, num_parts):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (24, 8, 128)])
-def test_self_check_passes(dtype, num_heads, num_kv_heads, head_dim):
-    """The engine's start-up check, at the 135M and 3B head shapes."""
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "windowed"),
+    [(9, 3, 64, False), (24, 8, 128, False), (4, 1, 256, True)],
+)
+def test_self_check_passes(dtype, num_heads, num_kv_heads, head_dim, windowed):
+    """The engine's start-up check, at the 135M and 3B head shapes, and Gemma 3 270M's
+    with its sliding-window kernels."""
     reason = check_triton(
-        "cuda", dtype, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
-    )
+        "cuda", dtype, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        windowed=windowed,
+    )  # fmt: skip
     assert reason is None, reason
 
 

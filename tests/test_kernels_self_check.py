@@ -321,7 +321,7 @@ def test_real_check_through_the_registry(cpu_like_cuda):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert kernels.ensure_checked(CPU, torch.float32) is None
-    assert kernels._check_results == {("cpu", None, torch.float32, 4, 2, 32): None}
+    assert kernels._check_results == {("cpu", None, torch.float32, 4, 2, 32, False): None}
     assert kernels.implementation(torch.zeros(1)) == "triton"
 
 
@@ -454,3 +454,23 @@ def test_fused_exceptions_and_a_missing_reference_become_reasons(monkeypatch):
         self_check_fused.check_triton_fused(CPU, torch.float32, REFERENCE, head_dim=15)
     with pytest.raises(ValueError, match="hidden_size must be a positive int"):
         self_check_fused.check_triton_fused(CPU, torch.float32, REFERENCE, hidden_size=0)
+
+
+def test_windowed_check_runs_the_window_kernels():
+    """``windowed=True`` (a model with sliding-window layers) also checks the kernels under
+    a window: the real ones pass, and an own_attention that ignores the window is named."""
+    assert self_check.check_triton(CPU, torch.float32, windowed=True) is None
+
+
+def test_windowed_check_names_a_kernel_ignoring_the_window(reference_kernels):
+    def windowless(q, k_cache, v_cache, batch, scale):
+        import dataclasses
+
+        return torch_attention.own_attention(
+            q, k_cache, v_cache, dataclasses.replace(batch, window=0, derived={}), scale
+        )
+
+    reference_kernels.setattr(tri, "own_attention", windowless)
+    assert self_check.check_triton(CPU, torch.float32) is None  # no window, no difference
+    reason = self_check.check_triton(CPU, torch.float32, windowed=True)
+    assert reason is not None and reason.startswith("own_attention (window 20)"), reason

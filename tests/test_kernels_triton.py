@@ -520,25 +520,30 @@ def build(kernel, types, constexprs, **options):
 
 TL = {torch.bfloat16: ("bf16", tl.bfloat16), torch.float16: ("fp16", tl.float16),
       torch.float32: ("fp32", tl.float32)}
-for dtype, head_dim, group, rows, causal, out, merge in [
-    (torch.bfloat16, 128, 4, 512, False, None, False),
-    (torch.bfloat16, 128, 4, 512, False, "fp32", False),
-    (torch.bfloat16, 64, 4, 1024, False, "fp32", True),  # merged into an fp32 state
-    (torch.float16, 64, 8, 1, True, None, False), (torch.float16, 64, 8, 1, True, "fp32", False),
-    (torch.float32, 128, 3, 64, False, None, True),
+for dtype, head_dim, group, rows, causal, out, merge, windowed in [
+    (torch.bfloat16, 128, 4, 512, False, None, False, False),
+    (torch.bfloat16, 128, 4, 512, False, "fp32", False, False),
+    (torch.bfloat16, 64, 4, 1024, False, "fp32", True, False),  # merged into an fp32 state
+    (torch.float16, 64, 8, 1, True, None, False, False),
+    (torch.float16, 64, 8, 1, True, "fp32", False, False),
+    (torch.float32, 128, 3, 64, False, None, True, False),
+    # sliding windows (Gemma 3 / Mistral): own rows causal in their window, prefix rows from
+    # their first visible key, merged into an fp32 state
+    (torch.bfloat16, 256, 4, 512, True, "fp32", False, True),
+    (torch.bfloat16, 256, 4, 512, False, "fp32", True, True),
 ]:
     name, mma = TL[dtype]
     q = torch.empty(1, group, head_dim, dtype=dtype)
     block_m, block_n, block_d, warps, stages = tri._tile_config(q, rows, group)
     pointers = {n: "*" + name for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
     pointers.update(lse_ptr="*fp32", work_ptr="*i32", rows_ptr="*i64", table_ptr="*i32",
-                    scale="fp32")
+                    lows_ptr="*i32", scale="fp32")
     if out:
         pointers["out_ptr"] = "*" + out  # key splits: fp32 partial outs
     precision = "ieee" if dtype == torch.float32 else "tf32"
     build(tri._paged_attention_kernel, pointers,
-          dict(GROUP=group, INDIRECT=not causal, CAUSAL=causal, MERGE=merge, MMA_DTYPE=mma,
-               PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d),
+          dict(GROUP=group, INDIRECT=not causal, CAUSAL=causal, MERGE=merge, WINDOWED=windowed,
+               MMA_DTYPE=mma, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d),
           num_warps=warps, num_stages=stages)
 build(tri._store_kv_kernel, {n: "*bf16" for n in ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")}
       | {"slot_ptr": "*i32"}, dict(BLOCK_H=8, BLOCK_D=128), num_warps=4)

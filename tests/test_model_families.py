@@ -230,16 +230,19 @@ def test_longrope_and_partial_rotary_match_hf_generate(window_family_dirs):
     assert hf.generate([long], SamplingParams(max_tokens=4))[0].finish_reason != "error"
 
 
-def test_triton_kernels_leave_windows_to_torch(window_family_dirs, monkeypatch):
-    """The Triton kernels do not take sliding windows yet: a windowed step refuses them,
-    and the engine runs such models on the torch kernels where Triton would run."""
+def test_triton_kernels_take_windows(window_family_dirs, monkeypatch):
+    """The Triton kernels take sliding windows (under the interpreter here): Gemma 3's
+    mixed layers run on them, exact against HF generate; Gemma 2's soft caps stay on the
+    torch kernels, which alone compute them."""
     from llm_operator import kernels
 
-    assert not kernels.triton_windows()
+    pytest.importorskip("triton")
+    assert kernels.triton_windows()
     monkeypatch.setenv("LLM_OPERATOR_KERNELS", "triton")
-    model_dir = window_family_dirs("gemma3")
-    op = LLMOperator(model_dir, backend="native", kv_block_size=8, cuda_graphs="off")
     prompts = three_level_prompts()[:4]
-    results = op.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
-    assert op.backend()._implementation() == "torch"
-    assert_matches_hf(op, model_dir, prompts, results, 6, ignore_eos=True)
+    for family, implementation in (("gemma3", "triton"), ("gemma2", "torch")):
+        model_dir = window_family_dirs(family)
+        op = LLMOperator(model_dir, backend="native", kv_block_size=8, cuda_graphs="off")
+        results = op.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+        assert op.backend()._implementation() == implementation
+        assert_matches_hf(op, model_dir, prompts, results, 6, ignore_eos=True)

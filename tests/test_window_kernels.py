@@ -177,3 +177,49 @@ def test_cpp_window_invariant(window, block_size):
     alone = kernels.AttentionStep("cpp", own1, levels1, torch.zeros(0, dtype=torch.long), True)
     single = alone.attend(case["q"][7:8].contiguous(), k, v, case["scale"])
     assert torch.equal(single[0], out[7])
+
+
+def _triton():
+    pytest.importorskip("triton")
+    from llm_operator.kernels import triton_attention
+
+    return triton_attention
+
+
+@pytest.mark.parametrize("drop", [True, False])
+@pytest.mark.parametrize("window", [5, 16, 40])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_triton_window(window, block_size, drop):
+    """The Triton kernels (under the interpreter here) take the window: ``attend`` (own
+    part, then each level merged in place) and the separate operations merged after, with
+    rows kept in segments their window misses wholly (drop=False: out 0, lse -inf there)."""
+    triton_attention = _triton()
+    assert kernels.triton_windows()
+    case = _scenario(block_size, window)
+    own, levels = metadata.windowed(
+        case["own"], case["levels"], case["positions"], case["level_starts"], window, drop=drop
+    )
+    step = kernels.AttentionStep("triton", own, levels, torch.zeros(0, dtype=torch.long))
+    out = step.attend(case["q"], case["k"], case["v"], case["scale"])
+    torch.testing.assert_close(out.double(), case["expected"], atol=1e-5, rtol=1e-5)
+    args = (case["q"], case["k"], case["v"])
+    parts = [triton_attention.own_attention(*args, own, case["scale"])]
+    for level in levels:
+        part = triton_attention.prefix_attention(*args, level, case["scale"])
+        rows = list(level.host_rows)
+        blind = [
+            row
+            for row, first in zip(rows, level.host_key_start)
+            if first >= max(level.host_lengths)
+        ]
+        if blind:  # rows whose window misses the segment: nothing seen, not masked garbage
+            assert not drop
+            assert torch.isinf(part.lse[blind]).all() and (part.lse[blind] < 0).all()
+        parts.append(part)
+    merged = triton_attention.merge_attention_states(parts).out
+    torch.testing.assert_close(merged.double(), case["expected"], atol=1e-5, rtol=1e-5)
+    # the same kernels without the window see more keys: the window is what matches
+    if window < 40:
+        plain = kernels.AttentionStep("triton", case["own"], case["levels"], torch.zeros(0))
+        full = plain.attend(case["q"], case["k"], case["v"], case["scale"])
+        assert not torch.allclose(full.double(), case["expected"], atol=1e-3)

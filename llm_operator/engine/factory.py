@@ -120,6 +120,7 @@ def _native(config: EngineConfig, info: ModelInfo, tokenizer, device, dtype):
         num_heads=heads.num_heads,
         num_kv_heads=heads.num_kv_heads,
         head_dim=heads.head_dim,
+        windowed=heads.sliding_window is not None,
     )
     if kernels.triton_device(device):  # and the elementwise regions' kernels (eager on failure)
         try:
