@@ -61,6 +61,12 @@ SYSTEMS: dict[str, SystemSpec] = {
             "HF generate on fixed batches in input order, each run to completion (a pandas UDF)",
         ),
         SystemSpec(
+            "hf-static-bf16",
+            "static",
+            "hf-static with bfloat16 weights and activations (the baseline of the bf16 systems)",
+            dtype="bfloat16",
+        ),
+        SystemSpec(
             "hf-static-shuffled",
             "static",
             "hf-static with the rows shuffled",

@@ -28,7 +28,7 @@ OUR_SYSTEMS = (
     "native-noshare",
     "native-notokenbatch",
 )
-BF16_SYSTEMS = ("native-bf16",)  # other arithmetic: its greedy answers may differ
+BF16_SYSTEMS = ("native-bf16", "hf-static-bf16")  # other arithmetic: its greedy answers may differ
 STATIC_SYSTEMS = ("hf-static", "hf-static-shuffled")
 VLLM_SYSTEMS = ("vllm", "vllm-plan")  # plain vLLM, and our backend="vllm" (both need the venv)
 RECORD_FIELDS = (
