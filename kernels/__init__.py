@@ -248,17 +248,6 @@ def ensure_checked(
     return reason
 
 
-def triton_windows() -> bool:
-    """Whether the Triton attention kernels take sliding windows (``OwnBatch.window``,
-    ``PrefixBatch.key_start``); where they do not, the native engine runs models with
-    sliding-window layers on the torch kernels."""
-    try:
-        from llm_operator.kernels import triton_attention
-    except ImportError:
-        return False
-    return bool(getattr(triton_attention, "TAKES_WINDOWS", False))
-
-
 def _module(tensor: Tensor):
     if implementation(tensor) == "torch":
         return torch_attention
@@ -355,12 +344,6 @@ class AttentionStep:
         elif implementation == "triton":
             from llm_operator.kernels import triton_attention
 
-            windowed = own.window or any(p.key_start is not None for p in self.prefixes)
-            if windowed and not triton_windows():
-                raise ValueError(
-                    "the Triton attention kernels do not take sliding windows; run the step "
-                    "on the torch kernels (the native engine does so for such models)"
-                )
             self.module = triton_attention
         else:
             self.module = torch_attention

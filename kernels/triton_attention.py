@@ -563,8 +563,6 @@ _SM_COUNTS: dict[int, int] = {}
 # Key splits of a long segment read by few row tiles (flash-decoding): at least this many
 # keys per split, at most this many splits.
 SPLIT_MIN_KEYS = 256
-# The kernels take sliding windows (``kernels.triton_windows``).
-TAKES_WINDOWS = True
 MAX_SPLITS = 16
 
 

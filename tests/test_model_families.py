@@ -234,10 +234,7 @@ def test_triton_kernels_take_windows(window_family_dirs, monkeypatch):
     """The Triton kernels take sliding windows (under the interpreter here): Gemma 3's
     mixed layers run on them, exact against HF generate; Gemma 2's soft caps stay on the
     torch kernels, which alone compute them."""
-    from llm_operator import kernels
-
     pytest.importorskip("triton")
-    assert kernels.triton_windows()
     monkeypatch.setenv("LLM_OPERATOR_KERNELS", "triton")
     prompts = three_level_prompts()[:4]
     for family, implementation in (("gemma3", "triton"), ("gemma2", "torch")):

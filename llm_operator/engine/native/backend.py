@@ -143,14 +143,10 @@ class NativeBackend:
     def _implementation(self) -> str:
         """The attention kernels of this backend's device and dtype
         (``kernels.step_implementation``); the torch kernels for soft-capped attention
-        scores (Gemma 2), which the others do not compute, and for sliding windows where
-        the Triton kernels do not take them (``kernels.triton_windows``)."""
+        scores (Gemma 2), which the others do not compute."""
         if self.config.attn_softcap is not None:
             return "torch"
-        name = kernels.step_implementation(torch.empty(0, device=self.device, dtype=self.dtype))
-        if name == "triton" and self.config.sliding_window is not None:
-            return name if kernels.triton_windows() else "torch"
-        return name
+        return kernels.step_implementation(torch.empty(0, device=self.device, dtype=self.dtype))
 
     def _kv_pool(self, implementation: str, num_blocks: int) -> tuple[list, list]:
         """Per-layer K and V caches of at least ``num_blocks`` blocks in ``implementation``'s
