@@ -146,6 +146,20 @@ SYSTEMS: dict[str, SystemSpec] = {
             dtype="bfloat16",
         ),
         SystemSpec(
+            "native-nondet",
+            "operator",
+            "native with deterministic=False: the fastest kernels per shape, shared segments "
+            "not aligned to KV blocks",
+            {"backend": "native", "deterministic": False},
+        ),
+        SystemSpec(
+            "native-nondet-bf16",
+            "operator",
+            "native-nondet with bfloat16 weights, activations and KV cache",
+            {"backend": "native", "deterministic": False},
+            dtype="bfloat16",
+        ),
+        SystemSpec(
             "vllm-plan",
             "operator",
             "llm-operator, vllm backend: the plan fed to vLLM group by group, in waves the "
