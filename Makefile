@@ -55,7 +55,7 @@ test-faults: $(VENV)/.installed-test
 # Spark and Dask with a tiny model, and the planner's at 1M prompts (about 10 GiB);
 # bench-results/scale/scale.json. SCALE_ARGS="--rows 400000" etc. (--help)
 scale: $(VENV)/.installed-test
-	$(PY) -m llm_operator_bench.scale $(SCALE_ARGS)
+	$(PY) -m llm_operator_bench.suites.scale $(SCALE_ARGS)
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .

@@ -68,7 +68,7 @@ def demo_frame(limit: int, partitions: int) -> dd.DataFrame:
     import dask.dataframe as dd
     import pandas as pd
 
-    from llm_operator_bench.demo_data import build_demo_rows
+    from llm_operator.cli.demo_data import build_demo_rows
 
     rows = build_demo_rows(limit=limit)
     frame = pd.DataFrame(

@@ -78,7 +78,7 @@ def get_spark() -> tuple[SparkSession, bool]:
 
 def demo_frame(spark: SparkSession, limit: int) -> DataFrame:
     """The first ``limit`` bundled demo rows as a DataFrame: id, task, prompt (plain text)."""
-    from llm_operator_bench.demo_data import build_demo_rows
+    from llm_operator.cli.demo_data import build_demo_rows
 
     rows = [(row["id"], row["task"], row["prompt"]) for row in build_demo_rows(limit=limit)]
     return spark.createDataFrame(rows, schema="id string, task string, prompt string")

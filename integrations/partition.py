@@ -69,7 +69,7 @@ class InferOptions:
     constraint_col: tuple[str, str] | None = None
 
     def engine_key(self, device: str | None = None) -> tuple:
-        return (self.model, self.engine, device)
+        return (self.model, replace(self.engine, stats_log=None), device)
 
     def prompts(self, values: Sequence[Any], chat_template: bool) -> list[Any]:
         """Column values to prompts (``chat``/``system``: each string as a user message;
@@ -392,7 +392,12 @@ def run_partition(
         stats = operator.last_stats
     if positions is not None:
         results = [results[i] for i in positions]
-    _log_stats(label, len(values), len(prompts), stats, time.perf_counter() - started)
+    if stats.engine_paths and id(operator) not in _described:  # once per engine
+        _described.add(id(operator))
+        logger.info("this worker's engine: %s", stats.engine_paths)
+    if options.engine.stats_log:
+        seconds = time.perf_counter() - started
+        _log_stats(options.engine.stats_log, label, len(values), len(prompts), stats, seconds)
     logger.info(
         "%s: %d rows%s (%d errors%s), %d prompt tokens, %d prefilled, %d output tokens, "
         "%.2f s, saving ratio %.1f%%",
@@ -437,15 +442,8 @@ def show_worker_logs() -> None:
     logger.addHandler(handler)
 
 
-STATS_LOG = "LLM_OPERATOR_STATS_LOG"
-"""Environment variable: a file each partition appends one JSON line of statistics to
-(label, rows, distinct prompts, prompt, prefill and output tokens, seconds, pid)."""
-
-
-def _log_stats(label: str, rows: int, distinct: int, stats: Any, seconds: float) -> None:
-    path = os.environ.get(STATS_LOG)
-    if not path:
-        return
+def _log_stats(path: str, label: str, rows: int, distinct: int, stats: Any, seconds: float):
+    """One JSON line of a partition's statistics appended to ``path`` (``stats_log``)."""
     line = json.dumps(
         {
             "label": label,
@@ -468,6 +466,7 @@ def _log_stats(label: str, rows: int, distinct: int, stats: Any, seconds: float)
 
 
 _partition_locks: dict[int, threading.Lock] = {}
+_described: set[int] = set()  # engines whose paths a worker's log has shown
 
 
 def _partition_lock(operator) -> threading.Lock:

@@ -1,4 +1,4 @@
-"""Builds, caches and self-checks the compiled CPU kernels (``cpu_kernels.cpp``).
+"""Builds, caches, loads and self-checks the compiled CPU kernels (``cpu_kernels.cpp``).
 
 ``load()`` returns the compiled module, or None when it cannot be had on this machine. The
 first call in a process compiles ``cpu_kernels.cpp`` with the machine's C++ compiler
@@ -6,20 +6,16 @@ first call in a process compiles ``cpu_kernels.cpp`` with the machine's C++ comp
 ``torch.utils.cpp_extension`` (about a minute, once per machine), or imports the library an
 earlier process built: libraries live in ``$TORCH_EXTENSIONS_DIR`` (default
 ``~/.cache/torch_extensions``) under a name hashed from the source, the flags, torch's and
-Python's versions and the CPU model, and are written under a temporary name, then renamed,
-so concurrent processes (Spark or Dask workers) never load half a file. A file lock keeps
-them from compiling the same library twice at once. The compiler runs in a child process
-(torch's entry point imports what it built, and this process imports nothing unproven).
+Python's versions and the CPU model and flags, and are written under a temporary name,
+then renamed, so concurrent processes (Spark or Dask workers) never load half a file. A
+file lock keeps them from compiling the same library twice at once. The compiler runs in a
+child process, because torch's entry point also imports what it built.
 
-Before this process imports the library, a child process proves it
-(``artifact_proof.prove``: it imports the library and runs ``cpu_ops.self_check``, each
-operation on small seeded cases against its torch reference: ``F.linear``,
-``torch_attention``'s operations), once per library, machine kind, torch and Python (the
-verdict is cached beside the library, so later processes import it at once). With
-``LLM_OPERATOR_PROVE=off`` the self-check runs in this process instead. A missing compiler
-or ninja, a failed build, a crash or a failed check warns once (RuntimeWarning naming the
-reason) and ``load()`` returns None for the rest of the process: the engine then runs the
-torch path (correct, slower). Thread-safe.
+Once imported, ``cpu_ops.self_check`` runs each operation on small seeded cases against its
+torch reference (``F.linear``, ``torch_attention``'s operations), once per process. A
+missing compiler or ninja, a failed build or a failed check warns once (RuntimeWarning
+naming the reason) and ``load()`` returns None for the rest of the process: the engine
+then runs the torch path (correct, slower). Thread-safe.
 """
 
 from __future__ import annotations
@@ -29,6 +25,7 @@ import importlib.util
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -39,26 +36,21 @@ from types import ModuleType
 
 import torch
 
-from llm_operator.kernels import artifact_proof
-
 __all__ = [
-    "PROBE",
     "SOURCE",
     "build_flags",
     "compile_library",
+    "cpu_identity",
     "failure",
     "library_path",
     "load",
     "loaded",
-    "prove_library",
     "reset",
 ]
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 # Seconds a process waits for another one compiling the same library before it gives up.
 BUILD_LOCK_TIMEOUT = 900.0
-# The proof's entry point in the child process (tests point it at a crashing probe).
-PROBE = "llm_operator.kernels.cpu_extension:prove_library"
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "module": the module or None, "failure": the reason
@@ -72,7 +64,22 @@ def build_flags() -> list[str]:
     return flags
 
 
-_cpu_identity = artifact_proof.cpu_identity  # what the generated code depends on
+def cpu_identity() -> str:
+    """What generated CPU code depends on: the architecture, the CPU model and its flags."""
+    model = flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and not model:
+                model = value.strip()
+            elif key in ("flags", "Features") and not flags:
+                flags = value.strip()
+            if model and flags:
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()} {model} {flags or platform.processor()}"
 
 
 def library_name() -> str:
@@ -82,7 +89,7 @@ def library_name() -> str:
             " ".join(build_flags()),
             torch.__version__,
             sys.version.split()[0],
-            _cpu_identity(),
+            cpu_identity(),
         ]
     )
     return "llm_operator_cpu_" + hashlib.sha256(identity.encode()).hexdigest()[:16]
@@ -136,25 +143,6 @@ def compile_library(name: str, build_directory: str) -> None:
     )
 
 
-def prove_library(name: str, path: str) -> str | None:
-    """The proof of a built library, run in a child process (``artifact_proof``): import
-    it and self-check it (None, or the first operation that disagreed)."""
-    from llm_operator.kernels import cpu_ops
-
-    return cpu_ops.self_check(_import(name, Path(path)))
-
-
-def _prove(name: str, path: Path) -> artifact_proof.Verdict:
-    """``prove_library``'s verdict on ``path`` (cached; "trusted" with the proofs off)."""
-    return artifact_proof.prove(
-        "compiled CPU kernels",
-        PROBE,
-        {"name": name, "path": str(path)},
-        artifact=path,
-        identity=hashlib.sha256(Path(__file__).with_name("cpu_ops.py").read_bytes()).hexdigest(),
-    )
-
-
 def _build(name: str, path: Path) -> None:
     """Compile (in a child process) into a temporary folder beside ``path``, then rename the
     library into place; RuntimeError naming the reason when the build fails."""
@@ -171,13 +159,19 @@ def _build(name: str, path: Path) -> None:
         )
         started = time.perf_counter()
         with tempfile.TemporaryDirectory(dir=path.parent, prefix="build-") as build_dir:
-            built = artifact_proof.run_probe(
-                "llm_operator.kernels.cpu_extension:compile_library",
-                {"name": name, "build_directory": build_dir},
+            command = (
+                "from llm_operator.kernels.cpu_extension import compile_library; "
+                f"compile_library({name!r}, {build_dir!r})"
+            )
+            built = subprocess.run(
+                [sys.executable, "-c", command],
+                capture_output=True,
+                text=True,
                 timeout=BUILD_LOCK_TIMEOUT,
             )
-            if not built.passed:
-                raise RuntimeError(f"building the CPU kernels failed: {built.reason}")
+            if built.returncode != 0:
+                tail = " | ".join((built.stderr or built.stdout).strip().splitlines()[-3:])
+                raise RuntimeError(f"building the CPU kernels failed: {tail[-500:]}")
             library = Path(build_dir) / f"{name}.so"
             temporary = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
             temporary.write_bytes(library.read_bytes())
@@ -201,17 +195,12 @@ def load() -> ModuleType | None:
             path = library_path()
             if not path.is_file():
                 _build(name, path)
-            verdict = _prove(name, path)
-            reason = None
-            if not verdict.passed:
-                reason = f"they failed their proof in a child process: {verdict.reason}"
-            else:
-                artifact_proof.announce_load("the compiled CPU kernels", path)
-                module = _import(name, path)
-                if verdict.source == "trusted":  # LLM_OPERATOR_PROVE=off: check them here
-                    from llm_operator.kernels import cpu_ops
+            from llm_operator.kernels import cpu_ops
 
-                    reason = cpu_ops.self_check(module)
+            module = _import(name, path)
+            reason = cpu_ops.self_check(module)
+            if reason is not None:
+                reason = f"they disagree with the torch reference: {reason}"
         except Exception as error:  # noqa: BLE001 - no compiler, no ninja, a failed build
             text = str(error).strip().splitlines()
             reason = f"{type(error).__name__}: {text[-1][:300] if text else ''}"

@@ -2,7 +2,7 @@
 
 The compiled module comes from ``cpu_extension.load()``; every launcher takes it as its
 first argument and checks shapes, dtypes and devices (index values are the engine's, checked
-once per step by ``metadata.own_batch`` / ``prefix_batch``).
+once per step by ``layout.own_batch`` / ``prefix_batch``).
 
 Layouts (see ``cpu_kernels.cpp``):
 
@@ -24,8 +24,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from llm_operator.kernels import metadata, torch_attention
-from llm_operator.kernels.metadata import OwnBatch, PrefixBatch
+from llm_operator.kernels import layout, torch_attention
+from llm_operator.kernels.layout import OwnBatch, PrefixBatch
 
 __all__ = [
     "CPU_DTYPES",
@@ -229,8 +229,6 @@ def attention_items(
     shared segment's rows against its K/V, one batch (chain level) after another.
     ``step_keys``: every item's keys start at a multiple of it (``_aligned``), for the
     batch-invariant mode's whole softmax steps (``attention(split_keys=-1)``)."""
-    if any(p.slot_tables is not None for p in prefixes):
-        raise ValueError("the compiled CPU kernels take prefix_batch levels, not chain_batch")
     carried_in = [None] * len(prefixes)
     if step_keys is not None:
         own, prefixes, carried_in = _aligned(own, prefixes, step_keys)
@@ -360,7 +358,7 @@ def attention(
     _check_caches(q, k_cache, v_cache)
     return module.paged_attention(
         q.contiguous(), k_cache, v_cache, work.tables, work.items, work.item_rows,
-        work.item_first, metadata.check_scale(scale), split_keys,
+        work.item_first, layout.check_scale(scale), split_keys,
     )  # fmt: skip
 
 
@@ -433,10 +431,10 @@ def _check_attention(
                       for i in range(tokens - rows, tokens)]  # fmt: skip
     q = torch.randn(starts[-1], heads, dim, generator=generator).to(dtype)
     shape = {"block_size": block_size, "num_blocks": num_blocks}
-    own = metadata.own_batch(starts, tables, own_lens, **shape)
+    own = layout.own_batch(starts, tables, own_lens, **shape)
     prefixes = [
-        metadata.prefix_batch([list(range(24))], [level1], [37], num_rows=24, **shape),
-        metadata.prefix_batch(
+        layout.prefix_batch([list(range(24))], [level1], [37], num_rows=24, **shape),
+        layout.prefix_batch(
             [[19], list(range(20, 24))], level2, [3, 20], num_rows=24, **shape
         ),  # fmt: skip
     ]

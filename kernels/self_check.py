@@ -27,7 +27,7 @@ blamed on the attention before it. Pass the model's head shape to check the kern
 specializations the model will launch.
 
 ``windowed=True`` (a model with sliding-window layers) also checks the sliding-window
-kernel: the same step under a window of ``WINDOW`` keys (``metadata.windowed``, every row
+kernel: the same step under a window of ``WINDOW`` keys (``layout.windowed``, every row
 kept in its segments): ``own_attention`` (rows masked before their window) and
 ``prefix_attention`` on level 1 (the rows see its last keys only: the key tiles before
 them are skipped) and level 2 (segment B partly seen, wholly missed by its later rows:
@@ -48,7 +48,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from llm_operator.kernels import metadata, torch_attention
+from llm_operator.kernels import layout, torch_attention
 
 __all__ = ["LEVEL1_LENGTH", "LSE_TOLERANCE", "OUT_TOLERANCE", "WINDOW", "check_triton"]
 
@@ -126,7 +126,7 @@ def check_triton(
         expected = case.expected()
         parts = [(out.to(device), lse.to(device)) for out, lse in (*expected.prefix, expected.own)]
         cache, scale = (k_cache, v_cache), case.scale
-        checks: list[tuple[str, Callable, tuple, metadata.AttentionOutput]] = [
+        checks: list[tuple[str, Callable, tuple, layout.AttentionOutput]] = [
             ("prefix_attention (level 1)", kernels.prefix_attention,
              (case.q, *cache, case.prefix_batches[0], scale), expected.prefix[0]),
             ("prefix_attention (level 2)", kernels.prefix_attention,
@@ -163,16 +163,16 @@ def check_triton(
 class _Expected(NamedTuple):
     """The reference's results on the CPU."""
 
-    prefix: list[metadata.AttentionOutput]  # per level
-    own: metadata.AttentionOutput
-    decode: metadata.AttentionOutput  # each request's last row alone
-    merged: metadata.AttentionOutput  # of prefix levels 1, 2 and own
+    prefix: list[layout.AttentionOutput]  # per level
+    own: layout.AttentionOutput
+    decode: layout.AttentionOutput  # each request's last row alone
+    merged: layout.AttentionOutput  # of prefix levels 1, 2 and own
 
 
 class _Batches(NamedTuple):
-    own: metadata.OwnBatch
-    decode: metadata.OwnBatch
-    prefix: list[metadata.PrefixBatch]
+    own: layout.OwnBatch
+    decode: layout.OwnBatch
+    prefix: list[layout.PrefixBatch]
 
 
 class _Case:
@@ -253,12 +253,12 @@ class _Case:
 
         def batches(on: torch.device) -> _Batches:
             return _Batches(
-                metadata.own_batch(starts, own_tables, own_lengths, device=on, **cache),
-                metadata.own_batch(
+                layout.own_batch(starts, own_tables, own_lengths, device=on, **cache),
+                layout.own_batch(
                     list(range(len(requests) + 1)), own_tables, own_lengths, device=on, **cache
                 ),
                 [
-                    metadata.prefix_batch(*level, num_rows=num_rows, device=on, **cache)
+                    layout.prefix_batch(*level, num_rows=num_rows, device=on, **cache)
                     for level in levels
                 ],
             )
@@ -268,13 +268,13 @@ class _Case:
         self.prefix_batches = device_batches.prefix
         self._cpu_batches = batches(torch.device("cpu"))
 
-    def windowed(self, on_device: bool) -> tuple[metadata.OwnBatch, list[metadata.PrefixBatch]]:
+    def windowed(self, on_device: bool) -> tuple[layout.OwnBatch, list[layout.PrefixBatch]]:
         """The step's batches (on the device, or the CPU's for the oracle) under the
         sliding window ``WINDOW``, every row kept in its segments (``drop=False``: a row
         that sees none of one gets out 0, lse -inf there)."""
         batches = self._device_batches if on_device else self._cpu_batches
         starts = [[0], [LEVEL1_LENGTH, 0]]  # segment A follows level 1, B starts a sequence
-        return metadata.windowed(
+        return layout.windowed(
             batches.own, batches.prefix, self._positions, starts, WINDOW, drop=False
         )
 
@@ -334,7 +334,7 @@ def _compare_tensor(
 
 
 def _compare_output(
-    result: object, expected: metadata.AttentionOutput, dtype: torch.dtype
+    result: object, expected: layout.AttentionOutput, dtype: torch.dtype
 ) -> str | None:
     """None when (out, lse) agree with the reference's within the tests' tolerances."""
     if not isinstance(result, tuple) or len(result) != 2:

@@ -12,13 +12,13 @@ attention over ``[shared prefix ; own tokens]`` into two parts over disjoint key
 and ``merge_attention_states`` combines the ``(out, lse)`` results by log-sum-exp;
 ``store_kv`` writes a step's K/V into the cache. The engine runs them where no faster
 kernel applies (CPU tensors the compiled CPU kernels do not take or could not be built
-for, a device whose Triton kernels failed their self-check, ``LLM_OPERATOR_KERNELS=torch``),
+for, a device whose Triton kernels failed their self-check, ``kernels="torch"``),
 and they are the oracle for the Triton kernels (``triton_attention.py``, which share their
 signatures and semantics) and the compiled CPU kernels (``cpu_kernels.cpp`` through
 ``cpu_ops.py``).
 
 The cache layout, the step's batches (``OwnBatch``, ``PrefixBatch``), GQA, the dtypes
-and the argument checks are in ``metadata.py``.
+and the argument checks are in ``layout.py``.
 
 Work is split into row tiles and request groups so one batched matmul materializes at
 most about ``MAX_SCORE_ELEMENTS`` fp32 values; the loops run over tiles and groups,
@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from llm_operator.kernels.metadata import (
+from llm_operator.kernels.layout import (
     AttentionOutput,
     OwnBatch,
     PrefixBatch,
@@ -291,7 +291,6 @@ def _pad_group(
     block_size: int,
     causal: bool,
     num_rows: int,
-    slot_tables: Tensor | None = None,
 ) -> _Group:
     device = block_tables.device
 
@@ -314,12 +313,9 @@ def _pad_group(
     # Padding keys (past key_len) read the first key read instead: a written, finite token
     # whose score the mask drops. Stale slots (even NaN) and table padding are never read.
     key_position = torch.where(key < span[:, None], absolute, begin[:, None])  # [P, L]
-    if slot_tables is not None:  # a chain batch: each piece's key slots are listed
-        slots = slot_tables[column(p.table for p in pieces)].gather(1, key_position)  # [P, L]
-    else:
-        table = block_tables[column(p.table for p in pieces)].long()  # [P, max_blocks]
-        block_ids = table.gather(1, key_position // block_size)  # [P, L]
-        slots = block_ids * block_size + key_position % block_size  # [P, L]
+    table = block_tables[column(p.table for p in pieces)].long()  # [P, max_blocks]
+    block_ids = table.gather(1, key_position // block_size)  # [P, L]
+    slots = block_ids * block_size + key_position % block_size  # [P, L]
     square = causal and not windowed and all(len(p.rows) == p.key_len for p in pieces)
     if square:
         # Fresh chunks: row i sees own positions 0..i, padding rows and keys come last.
@@ -401,14 +397,7 @@ def _groups(batch: OwnBatch | PrefixBatch, num_heads: int, num_kv_heads: int, he
         else:
             listed = _prefix_pieces(batch, _tile_rows(batch.max_length, num_heads, kv_elements))
         batch.derived[key] = [
-            _pad_group(
-                g,
-                batch.block_tables,
-                batch.block_size,
-                causal,
-                batch.num_rows,
-                getattr(batch, "slot_tables", None),
-            )
+            _pad_group(g, batch.block_tables, batch.block_size, causal, batch.num_rows)
             for g in _group_pieces(listed, num_heads, kv_elements)
         ]
     return batch.derived[key]
@@ -499,7 +488,7 @@ def prefix_attention(
              chunks alike
     k_cache,
     v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype and device
-    batch:   PrefixBatch from prefix_batch() or chain_batch()
+    batch:   PrefixBatch from prefix_batch()
     Returns AttentionOutput(out [T, num_heads, head_dim] q.dtype, lse [T, num_heads] fp32);
     rows in no segment of the batch get out 0 and lse -inf.
 

@@ -1,7 +1,7 @@
 """Triton kernels for the native engine's attention over a paged KV cache.
 
 Same signatures and semantics as ``torch_attention.py`` (read its docstrings and
-``metadata.py``'s for the contracts):
+``layout.py``'s for the contracts):
 
 - ``store_kv``: one program per new token writes its K and V rows into the paged cache;
 - ``prefix_attention``: one program per (row tile of a segment, KV head). The query heads
@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from llm_operator.kernels.metadata import (
+from llm_operator.kernels.layout import (
     INDEX_DTYPES,
     AttentionOutput,
     OwnBatch,

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from llm_operator.kernels.metadata import FLOAT_DTYPES, check_store
+from llm_operator.kernels.layout import FLOAT_DTYPES, check_store
 from llm_operator.kernels.triton_fused_kernels import (
     _qkv_rope_kernel,
     _rms_norm_kernel,

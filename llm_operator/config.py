@@ -178,6 +178,30 @@ class EngineConfig:
         check=one_of("auto", "on", "off"),
         choices=("auto", "on", "off"),
     )
+    kernels: str = option(
+        "auto",
+        doc='native: the kernels a step runs on: "cpp" (compiled CPU kernels: attention, '
+        'packed GEMM, the whole decoder where the model allows), "triton" (Triton attention '
+        'and elementwise kernels; CUDA, or the CPU under TRITON_INTERPRET=1), "torch" (the '
+        'reference), or "auto" (cpp on the CPU in fp32/bf16, triton on CUDA, each after a '
+        "self-check at start-up; torch where that fails, with a warning)",
+        check=one_of("auto", "cpp", "triton", "torch"),
+        choices=("auto", "cpp", "triton", "torch"),
+    )
+    overlap: str = option(
+        "auto",
+        doc="native: schedule the next iteration while the device runs this one, for runs "
+        'whose rows are all greedy: "auto" (on for CUDA), "on", "off"',
+        check=one_of("auto", "on", "off"),
+        choices=("auto", "on", "off"),
+    )
+    profile_ops: bool = option(
+        False,
+        doc="native: time each iteration's work by kind (linear, attention, kv_store, "
+        "elementwise, sampling, host) into the run profile; costs about a microsecond per op",
+        check=boolean,
+        cli="flag",
+    )
     deterministic: bool | None = option(
         None,
         doc="native on the CPU: batch-invariant kernels, so a row's tokens do not depend on "
@@ -188,6 +212,13 @@ class EngineConfig:
         "with backend hf or vllm is an error",
         check=optional(boolean),
         cli="flag",
+    )
+    stats_log: str | None = option(
+        None,
+        doc="Spark, Dask and the CLI's engines: a file each partition appends one JSON line "
+        "of statistics to (rows, distinct prompts, prompt, prefill and output tokens, "
+        "seconds, process id)",
+        check=optional(text),
     )
     trust_remote_code: bool = option(
         False, doc="allow code shipped with the model to run", check=boolean, cli="flag"

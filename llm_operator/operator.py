@@ -15,8 +15,7 @@ from collections.abc import Sequence
 
 from llm_operator import options as option_table
 from llm_operator.config import EngineConfig
-from llm_operator.engine.base import Backend
-from llm_operator.engine.run import Run, run_plan
+from llm_operator.engine.run import Backend, Run, run_plan
 from llm_operator.engine.scoring import add_scoring, forced_tokens, row_results
 from llm_operator.planner import Plan, build_plan
 from llm_operator.progress import ProgressBar
@@ -149,6 +148,7 @@ class LLMOperator:
             generate_seconds=generate_seconds,
             seconds=time.perf_counter() - started,
             backend=self.backend_name,
+            engine_paths=paths.describe() if (paths := getattr(backend, "paths", None)) else "",
         )
         return results
 

@@ -80,6 +80,7 @@ class RunStats:
     generate_seconds: float = 0.0
     seconds: float = 0.0
     backend: str = ""
+    engine_paths: str = ""  # how the engine ran its steps, where it says (EnginePaths.describe)
     # a model server's own counts (backend openai; 0 elsewhere): the prompt tokens it was
     # sent, those its prefix cache held, the tokens it generated
     server_prompt_tokens: int = 0

@@ -1,1 +1,1 @@
-"""Benchmarks: workloads, baselines and reports."""
+"""Benchmarks: core (workloads, systems, runner, report), baselines, suites, gpu, testing."""

@@ -1,21 +1,21 @@
-"""The ``bench`` and ``demo`` commands of ``llm-operator`` (their options and handlers).
+"""The ``bench`` command of ``llm-operator`` (its options and handler).
 
-The library's command line (``llm_operator.cli``) adds these to its parser; nothing in
-``llm_operator`` imports this package otherwise.
+Registered in setup.cfg as an entry point of group ``llm_operator.commands``: the
+library's command line calls ``add_commands`` with its subparsers; nothing in
+``llm_operator`` imports this package.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from pathlib import Path
 
-from llm_operator import options as option_table
+from llm_operator.cli.main import add_model_option
 
 
-def add_commands(commands, add_model_option: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Add ``bench`` and ``demo`` to the subparsers `commands`."""
-    from llm_operator_bench.catalog import catalog_text
+def add_commands(commands) -> None:
+    """Add ``bench`` to the subparsers `commands` (its handler: ``command_bench``)."""
+    from llm_operator_bench.core.catalog import catalog_text
 
     bench = commands.add_parser(
         "bench",
@@ -189,31 +189,7 @@ def add_commands(commands, add_model_option: Callable[[argparse.ArgumentParser],
         "(default 480; none with --size tiny)",
     )
 
-    demo = commands.add_parser("demo", help="classify the bundled reviews and tickets with SmolLM2")
-    add_model_option(demo)
-    demo.add_argument("--limit", type=int, help="only the first N rows")
-    demo.add_argument("--output", type=Path, default=Path("demo-results/demo.jsonl"))
-    demo.add_argument(
-        "--compare-static", action="store_true", help="also run plain HF generate on fixed batches"
-    )
-    demo.add_argument(
-        "--engine",
-        default="spark",
-        choices=["local", "spark", "dask"],
-        help="where the job runs (default: Spark in local mode)",
-    )
-    demo.add_argument("--partitions", type=int, default=2, help="partitions for spark and dask")
-    demo.add_argument(
-        "--compare-engines",
-        action="store_true",
-        help="also run the rows through local, spark and dask side by side",
-    )
-    demo.add_argument(
-        "--compare-free",
-        action="store_true",
-        help="also generate freely (no choices, up to a newline) and compare the labels",
-    )
-    option_table.add_arguments(demo, ["engine"])
+    bench.set_defaults(command_handler=command_bench)
 
 
 def _integers(text: str, name: str) -> list[int]:
@@ -229,10 +205,10 @@ def _names(text: str | None) -> list[str] | None:
 
 
 def command_gpu(args) -> int:
-    """``bench gpu`` (``bench.gpu_bench``): the report's summary table on stdout."""
-    from llm_operator_bench.gpu_bench import run_gpu_bench
-    from llm_operator_bench.gpu_models import save_tokenizer
-    from llm_operator_bench.gpu_report import markdown
+    """``bench gpu`` (``bench.gpu.bench``): the report's summary table on stdout."""
+    from llm_operator_bench.gpu.bench import run_gpu_bench
+    from llm_operator_bench.gpu.models import save_tokenizer
+    from llm_operator_bench.gpu.report import markdown
 
     if args.save_tokenizer is not None:
         files = save_tokenizer(args.save_tokenizer, args.tokenizer)
@@ -265,7 +241,7 @@ def command_bench(args) -> int:
     if args.repeat is None:
         args.repeat = 3 if args.target in ("gpu", "host") else 1
     if args.target == "host":
-        from llm_operator_bench.host_bench import run_host_bench
+        from llm_operator_bench.suites.host import run_host_bench
 
         (rows,) = _integers(args.batch_rows or "1024", "--batch-rows")[:1] or [1024]
         run_host_bench(
@@ -279,7 +255,7 @@ def command_bench(args) -> int:
     if args.target == "gpu":
         return command_gpu(args)
     if args.target == "repro":
-        from llm_operator_bench.repro import JOBS, run_repro
+        from llm_operator_bench.suites.repro import JOBS, run_repro
 
         run_repro(
             model=args.model,
@@ -293,8 +269,8 @@ def command_bench(args) -> int:
         )
         return 0
     if args.target == "server":
-        from llm_operator_bench.server_bench import JOBS as SERVER_JOBS
-        from llm_operator_bench.server_bench import run_server_bench
+        from llm_operator_bench.suites.server import JOBS as SERVER_JOBS
+        from llm_operator_bench.suites.server import run_server_bench
 
         run_server_bench(
             model=args.model,
@@ -311,8 +287,8 @@ def command_bench(args) -> int:
         )
         return 0
     if args.target == "estimate":
-        from llm_operator_bench.estimate_bench import SYSTEMS, run_estimate_bench
-        from llm_operator_bench.workloads import WORKLOAD_NAMES
+        from llm_operator_bench.core.workloads import WORKLOAD_NAMES
+        from llm_operator_bench.suites.estimate import SYSTEMS, run_estimate_bench
 
         default_workloads = [w for w in WORKLOAD_NAMES if w != "classify"] + ["movielens"]
         workloads = default_workloads
@@ -336,7 +312,7 @@ def command_bench(args) -> int:
         )
         return 0
     if args.target == "decode":
-        from llm_operator_bench.decode_bench import run_decode_bench
+        from llm_operator_bench.suites.decode import run_decode_bench
 
         run_decode_bench(
             model=args.model,
@@ -357,7 +333,7 @@ def command_bench(args) -> int:
         )
         return 0
     if args.target == "fields":
-        from llm_operator_bench.fields import run_fields_bench
+        from llm_operator_bench.suites.fields import run_fields_bench
 
         sizes = {} if args.rows is None else {"movielens_rows": args.rows, "table_rows": args.rows}
         run_fields_bench(
@@ -369,12 +345,12 @@ def command_bench(args) -> int:
         )
         return 0
     if args.target == "planner":
-        from llm_operator_bench.planner_scale import run_planner_suite
+        from llm_operator_bench.suites.planner import run_planner_suite
 
         sizes = [int(text) for text in args.prompts.split(",") if text.strip()]
         run_planner_suite(sizes, args.prompt_tokens, seed=args.seed, out=args.out / "planner.json")
         return 0
-    from llm_operator_bench.suite import run_benchmark
+    from llm_operator_bench.core.suite import run_benchmark
 
     report = run_benchmark(
         model=args.model,
@@ -392,27 +368,8 @@ def command_bench(args) -> int:
         vllm_python=args.vllm_python,
         timeout=args.timeout,
     )
-    from llm_operator_bench.report import markdown_table
+    from llm_operator_bench.core.report import markdown_table
 
     print(markdown_table(report["results"], [{**w, "summary": w} for w in report["workloads"]]))
     failed = [r for r in report["results"] if r["status"] == "failed"]
     return 1 if failed else 0
-
-
-def command_demo(args) -> int:
-    from llm_operator_bench.demo import run_demo
-
-    return run_demo(
-        model=args.model,
-        limit=args.limit,
-        output=args.output,
-        compare_static=args.compare_static,
-        engine=args.engine,
-        partitions=args.partitions,
-        compare_engines=args.compare_engines,
-        compare_free=args.compare_free,
-        options=option_table.from_arguments(args, ["engine"]),
-    )
-
-
-COMMANDS = {"bench": command_bench, "demo": command_demo}

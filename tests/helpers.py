@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from llm_operator_bench.tiny import (  # noqa: F401 (the tests import them from here)
+from llm_operator_bench.testing.tiny import (  # noqa: F401 (the tests import them from here)
     CHATML_TEMPLATE,
     EOS_TOKEN,
     LONGROPE_FAMILY,

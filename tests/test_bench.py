@@ -12,13 +12,13 @@ from types import SimpleNamespace
 import pytest
 
 from llm_operator.cli import main
-from llm_operator_bench.decode_steps import backend_decode_profile, summarize_decode_steps
-from llm_operator_bench.flops import ModelShape, attention_keys, model_shape, work_flop
-from llm_operator_bench.rate import measure_matmul_rate, rate_for
-from llm_operator_bench.report import decode_table, markdown_table
-from llm_operator_bench.runner import vllm_engine_settings
-from llm_operator_bench.systems import SYSTEMS, SystemSpec
-from llm_operator_bench.worker import peak_rss_bytes
+from llm_operator_bench.core.decode_steps import backend_decode_profile, summarize_decode_steps
+from llm_operator_bench.core.flops import ModelShape, attention_keys, model_shape, work_flop
+from llm_operator_bench.core.rate import measure_matmul_rate, rate_for
+from llm_operator_bench.core.report import decode_table, markdown_table
+from llm_operator_bench.core.runner import vllm_engine_settings
+from llm_operator_bench.core.systems import SYSTEMS, SystemSpec
+from llm_operator_bench.core.worker import peak_rss_bytes
 
 OUR_SYSTEMS = (
     "hf",
@@ -114,7 +114,7 @@ def test_quick_run_writes_every_field(quick_report):
 # read the peak back; then free a bigger buffer and check that a reset forgets it.
 PEAK_RSS_PROBE = """
 import json, os
-from llm_operator_bench.worker import peak_rss_bytes, reset_peak_rss
+from llm_operator_bench.core.worker import peak_rss_bytes, reset_peak_rss
 MIB = 2**20
 def touched(size):
     buffer = bytearray(size)
@@ -426,7 +426,7 @@ def test_decode_steps_split_by_kind_per_batch_size():
 
 
 def test_decode_step_floor_matches_a_hand_computation():
-    from llm_operator_bench.decode_bench import step_floor
+    from llm_operator_bench.suites.decode import step_floor
 
     shape = TINY_SHAPE
     weights = shape.linear_weights() + shape.vocab_size * shape.hidden_size
@@ -472,6 +472,6 @@ def test_bench_decode_times_native_against_the_floor(tiny_llama_dir, tmp_path, c
     assert "| float32 | 40 | 3 |" in markdown and "native / floor" in markdown
     assert "by kind of work" in capsys.readouterr().out
     with pytest.raises(ValueError, match="decode systems"):
-        from llm_operator_bench.decode_bench import run_decode_bench
+        from llm_operator_bench.suites.decode import run_decode_bench
 
         run_decode_bench(model=str(tiny_llama_dir), systems=("hf",), out=tmp_path)

@@ -9,11 +9,11 @@ import json
 import pytest
 
 from llm_operator.cli import main
-from llm_operator_bench.records import build_records
-from llm_operator_bench.report import labels_table, markdown_table
-from llm_operator_bench.systems import SYSTEMS, SystemSpec, runs_on
-from llm_operator_bench.vllm_runner import _resolve_runs
-from llm_operator_bench.worker import _sampling
+from llm_operator_bench.baselines.vllm_runner import _resolve_runs
+from llm_operator_bench.core.records import build_records
+from llm_operator_bench.core.report import labels_table, markdown_table
+from llm_operator_bench.core.systems import SYSTEMS, SystemSpec, runs_on
+from llm_operator_bench.core.worker import _sampling
 
 CLASSIFY_SYSTEMS = ("hf-static", "native", "native-choices", "vllm-choices")
 

@@ -1,4 +1,5 @@
-"""vLLM as a benchmarked system: bench.vllm_systems drives bench.vllm_runner in the vLLM venv.
+"""vLLM as a benchmarked system: bench.baselines.vllm_systems drives
+bench.baselines.vllm_runner in the vLLM venv.
 
 Skipped without a python that has vLLM (``make vllm-env``). Each vLLM engine start costs
 seconds to a minute on CPU, so the module starts two (prefix caching on, off), both in
@@ -19,7 +20,7 @@ import pytest
 import torch
 from helpers import TINY_INITIALIZER_RANGE, hf_generate_greedy, tiny_config
 
-from llm_operator_bench.vllm_systems import (
+from llm_operator_bench.baselines.vllm_systems import (
     VLLMRunError,
     VLLMUnavailable,
     find_vllm_python,

@@ -14,8 +14,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from llm_operator.planner import build_plan
-from llm_operator_bench import text
-from llm_operator_bench.workloads import (
+from llm_operator_bench.core import text
+from llm_operator_bench.core.workloads import (
     CLASSIFY_STOP,
     DEFAULT_WORKLOADS,
     IGNORE_EOS_WORKLOADS,

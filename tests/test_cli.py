@@ -237,8 +237,8 @@ def test_run_on_spark_and_dask_equals_local(engine, tiny_llama_dir, reviews_csv,
 
 
 def test_bench_help_lists_every_workload_and_system(capsys):
-    from llm_operator_bench.systems import SYSTEMS
-    from llm_operator_bench.workloads import WORKLOAD_NAMES
+    from llm_operator_bench.core.systems import SYSTEMS
+    from llm_operator_bench.core.workloads import WORKLOAD_NAMES
 
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--help"])

@@ -2,8 +2,7 @@
 
 On CUDA each bucket of decode rows is a recorded graph over static buffers. Here the same
 static buffers run eagerly at every step (``capture=False``) through the Triton kernels
-under the interpreter (``LLM_OPERATOR_KERNELS=triton``, set by the fixture; conftest sets
-``TRITON_INTERPRET=1``): padding rows, -1 slots and rows, count-0 work items, preset
+under the interpreter (``kernels="triton"``; conftest sets ``TRITON_INTERPRET=1``): padding rows, -1 slots and rows, count-0 work items, preset
 launch plans. Recording and replaying a real graph needs a GPU (tests/test_gpu.py).
 """
 
@@ -20,13 +19,6 @@ from llm_operator.engine.native.decode_graphs import buckets
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 
 
-@pytest.fixture
-def triton_kernels(monkeypatch):
-    from llm_operator import kernels
-
-    monkeypatch.setenv(kernels.IMPLEMENTATION_ENV, "triton")
-
-
 def test_buckets_cover_every_row_count():
     sizes = buckets(300)
     assert sizes[:6] == [1, 2, 4, 8, 16, 24]
@@ -39,12 +31,16 @@ def test_buckets_cover_every_row_count():
 
 
 @pytest.mark.parametrize("max_batch_size", [3, 17])
-def test_graph_path_matches_hf_generate(tiny_llama_dir, triton_kernels, max_batch_size):
+def test_graph_path_matches_hf_generate(tiny_llama_dir, max_batch_size):
     """Shared prefixes at two and three levels; 3 running rows use buckets 1, 2 and 4
     (padded), 17 rows bucket 24: each row's tokens equal HF generate's."""
     prompts = three_level_prompts()
     op = LLMOperator(
-        tiny_llama_dir, backend="native", cuda_graphs="on", max_batch_size=max_batch_size
+        tiny_llama_dir,
+        backend="native",
+        kernels="triton",
+        cuda_graphs="on",
+        max_batch_size=max_batch_size,
     )
     results = op.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
     assert_matches_hf(op, tiny_llama_dir, prompts, results, 6, ignore_eos=True)
@@ -53,22 +49,19 @@ def test_graph_path_matches_hf_generate(tiny_llama_dir, triton_kernels, max_batc
     assert profile.graph_steps == decode_steps > 0
 
 
-def test_graph_path_with_rows_ending_at_eos(tiny_qwen2_dir, tmp_path, triton_kernels):
+def test_graph_path_with_rows_ending_at_eos(tiny_qwen2_dir, tmp_path):
     """Rows finishing at different steps (EOS) shrink the batch through the buckets; every
     row stops where HF generate stops it."""
-    check_eos_hit_mid_batch(tiny_qwen2_dir, tmp_path, "native", cuda_graphs="on")
+    check_eos_hit_mid_batch(tiny_qwen2_dir, tmp_path, "native", kernels="triton", cuda_graphs="on")
 
 
-def test_graphs_on_without_triton_is_a_clear_error(tiny_llama_dir, monkeypatch):
-    from llm_operator import kernels
-
-    monkeypatch.setenv(kernels.IMPLEMENTATION_ENV, "torch")
-    op = LLMOperator(tiny_llama_dir, backend="native", cuda_graphs="on")
-    with pytest.raises(ValueError, match="cuda_graphs='on' needs the Triton kernels"):
+def test_graphs_on_without_triton_is_a_clear_error(tiny_llama_dir):
+    op = LLMOperator(tiny_llama_dir, backend="native", kernels="torch", cuda_graphs="on")
+    with pytest.raises(ValueError, match="cuda_graphs='on': it needs the Triton kernels"):
         op.generate(["Why"], SamplingParams(max_tokens=2))
 
 
-def test_graphs_auto_stay_off_on_the_cpu(tiny_llama_dir, triton_kernels):
-    op = LLMOperator(tiny_llama_dir, backend="native")
+def test_graphs_auto_stay_off_on_the_cpu(tiny_llama_dir):
+    op = LLMOperator(tiny_llama_dir, backend="native", kernels="triton")
     op.generate(["Why", "Great value"], SamplingParams(max_tokens=3, ignore_eos=True))
     assert op.backend().last_profile.graph_steps == 0

@@ -1,4 +1,4 @@
-"""Tests of the bundled demo data and its loader (``llm_operator_bench.demo_data``)."""
+"""Tests of the bundled demo data and its loader (``llm_operator.cli.demo_data``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llm_operator_bench.demo_data import (
+from llm_operator.cli.demo_data import (
     DEFAULT_DATA_DIR,
     DemoTask,
     build_demo_rows,
@@ -276,7 +276,7 @@ def test_demo_classify_names_a_label_on_every_engine(long_context_model_dir: Pat
     local call."""
     pytest.importorskip("dask.dataframe")
     from llm_operator import LLMOperator
-    from llm_operator_bench.demo import classify
+    from llm_operator.cli.demo import classify
 
     rows = build_demo_rows(limit=8)
     model = str(long_context_model_dir)

@@ -1,9 +1,9 @@
 """The deployment matrix's bookkeeping (the matrix itself runs clusters: `python -m
-llm_operator_bench.deploy_matrix`, results in docs/results/deploy-matrix-issue22.md)."""
+llm_operator_bench.suites.deploy_matrix`, results in docs/results/deploy-matrix-issue22.md)."""
 
 from __future__ import annotations
 
-from llm_operator_bench.deploy_matrix import CASES, compare, markdown, table_rows
+from llm_operator_bench.suites.deploy_matrix import CASES, compare, markdown, table_rows
 
 
 def test_compare_counts_rows_equal_in_text_and_error():

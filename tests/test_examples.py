@@ -173,6 +173,6 @@ def test_spark_quickstart_runs(
 
 
 def _demo_rows(limit: int) -> list[dict]:
-    from llm_operator_bench.demo_data import build_demo_rows
+    from llm_operator.cli.demo_data import build_demo_rows
 
     return build_demo_rows(limit=limit)

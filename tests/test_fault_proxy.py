@@ -1,4 +1,4 @@
-"""bench.fault_proxy: forwarding, each injected fault as an httpx client sees it, fail_once,
+"""bench.testing.fault_proxy: forwarding, each injected fault as an httpx client sees it, fail_once,
 concurrency. The upstream is a tiny in-process HTTP server echoing requests as JSON."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from llm_operator_bench.fault_proxy import FaultProxy, fail_once, request_key
+from llm_operator_bench.testing.fault_proxy import FaultProxy, fail_once, request_key
 
 METRICS_TEXT = "# TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total 3.0\n"
 

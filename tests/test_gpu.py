@@ -317,9 +317,8 @@ def test_native_matches_hf_generate_in_fp32(native_on_gpu, hf_on_gpu, rows):
         ids = tokenizer(prompt)["input_ids"]
         assert list(result.token_ids) == generate(ids, limit), prompt
     # the run stayed on the Triton kernels (no fallback to the torch reference)
-    from llm_operator import kernels
-
-    assert kernels.implementation(torch.empty(0, device="cuda")) == "triton"
+    paths = native_on_gpu.backend().paths
+    assert (paths.attention, paths.elementwise, paths.fallbacks) == ("triton", "triton", ())
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

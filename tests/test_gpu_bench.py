@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from llm_operator.cli import main
-from llm_operator_bench import gpu_bench
-from llm_operator_bench.flops import model_shape
-from llm_operator_bench.gpu_models import build_job, llama_config, save_tokenizer, tokenizer_dir
-from llm_operator_bench.gpu_report import NOT_ON_CPU, build_records
+from llm_operator_bench.core.flops import model_shape
+from llm_operator_bench.gpu import bench as gpu_bench
+from llm_operator_bench.gpu.models import build_job, llama_config, save_tokenizer, tokenizer_dir
+from llm_operator_bench.gpu.report import NOT_ON_CPU, build_records
 
 SYSTEMS = ("hf", "native", "native-graphs-off")
 
@@ -34,10 +34,8 @@ def run_tiny(tmp_path: Path, tokenizer: Path, device: str) -> tuple[int, dict, s
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, tiny_tokenizer_dir):
-    """The tiny run on the CPU, compiled regions off (this tests the bench, not the compile)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("LLM_OPERATOR_COMPILE", "off")
-        return run_tiny(tmp_path_factory.mktemp("gpu-bench"), tiny_tokenizer_dir, "cpu")
+    """The tiny run on the CPU."""
+    return run_tiny(tmp_path_factory.mktemp("gpu-bench"), tiny_tokenizer_dir, "cpu")
 
 
 def test_tiny_run_has_every_job_and_system(tiny_run):
@@ -206,7 +204,7 @@ def test_cli_defaults_reach_the_bench(monkeypatch):
         return {"results": [], "machine": {}, "jobs": {}, "configs": []}
 
     monkeypatch.setattr(gpu_bench, "run_gpu_bench", fake)
-    monkeypatch.setattr("llm_operator_bench.gpu_report.markdown", lambda report: "")
+    monkeypatch.setattr("llm_operator_bench.gpu.report.markdown", lambda report: "")
     assert main(["bench", "gpu", "--models", "1b,3b", "--jobs", "etl-1024"]) == 0
     assert seen["repeat"] == 3 and seen["size"] == "default" and seen["dtypes"] is None
     assert seen["models"] == ["1b", "3b"] and seen["jobs"] == ["etl-1024"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from llm_operator_bench.host_bench import count_ops, markdown, measure_host
+from llm_operator_bench.suites.host import count_ops, markdown, measure_host
 
 
 def test_host_milliseconds_come_from_decode_steps_of_all_rows(tiny_llama_dir):

@@ -1,11 +1,11 @@
-"""The Triton kernels' self-check (llm_operator.kernels.self_check) and the dispatch's
-fallback to the torch reference when it fails (llm_operator.kernels.ensure_checked).
+"""The Triton kernels' self-checks (llm_operator.kernels.self_check, self_check_fused) and
+the engine's one decision point that runs them (``engine.factory.native_paths``): the
+torch kernels where a check fails.
 
 The real kernels run on CPU tensors in the Triton interpreter (conftest sets
 TRITON_INTERPRET=1), 0.3-0.8 s per check here. Broken kernels are simulated by replacing one
 operation of ``triton_attention`` (the others replaced by the reference, so those tests
-stay fast); a failing device is simulated by letting CPU tensors default to Triton, as
-CUDA tensors do.
+stay fast); a CUDA device by its name (the decision reads the device's type).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from test_kernels_torch import LSE_TOLERANCE, OUT_TOLERANCE  # noqa: E402
 
 import llm_operator.kernels as kernels  # noqa: E402
-from llm_operator.kernels import metadata, self_check, torch_attention  # noqa: E402
+from llm_operator.kernels import layout, self_check, torch_attention  # noqa: E402
 from llm_operator.kernels import triton_attention as tri  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -113,7 +113,7 @@ def test_reference_as_kernels_passes(reference_kernels):
 def test_prefix_attention_returning_zeros_is_named(reference_kernels):
     def zeros(q, k_cache, v_cache, batch, scale):
         rows, heads = q.shape[:2]
-        return metadata.AttentionOutput(torch.zeros_like(q), torch.zeros(rows, heads))
+        return layout.AttentionOutput(torch.zeros_like(q), torch.zeros(rows, heads))
 
     reference_kernels.setattr(tri, "prefix_attention", zeros)
     reason = self_check.check_triton(CPU, torch.float32)
@@ -126,7 +126,7 @@ def test_small_lse_error_is_caught_and_measured(reference_kernels):
 
     def shifted(q, k_cache, v_cache, batch, scale):
         out, lse = torch_attention.prefix_attention(q, k_cache, v_cache, batch, scale)
-        return metadata.AttentionOutput(out, lse + (1e-4 if len(batch.host_lengths) == 2 else 0))
+        return layout.AttentionOutput(out, lse + (1e-4 if len(batch.host_lengths) == 2 else 0))
 
     reference_kernels.setattr(tri, "prefix_attention", shifted)
     reason = self_check.check_triton(CPU, torch.float32)
@@ -143,7 +143,7 @@ def test_nan_from_own_attention_is_named(reference_kernels):
     def nan_row(q, k_cache, v_cache, batch, scale):
         out, lse = torch_attention.own_attention(q, k_cache, v_cache, batch, scale)
         out[5, 1, 3] = float("nan")
-        return metadata.AttentionOutput(out, lse)
+        return layout.AttentionOutput(out, lse)
 
     reference_kernels.setattr(tri, "own_attention", nan_row)
     reason = self_check.check_triton(CPU, torch.float16)
@@ -156,7 +156,7 @@ def test_nan_from_own_attention_is_named(reference_kernels):
 def test_merge_error_is_blamed_on_merge(reference_kernels):
     def off(parts):
         out, lse = torch_attention.merge_attention_states(parts)
-        return metadata.AttentionOutput(out + 0.5, lse)
+        return layout.AttentionOutput(out + 0.5, lse)
 
     reference_kernels.setattr(tri, "merge_attention_states", off)
     reason = self_check.check_triton(CPU, torch.bfloat16)
@@ -202,7 +202,7 @@ def test_bad_arguments_raise():
         self_check.check_triton(CPU, torch.float32, num_heads=6, num_kv_heads=4)
 
 
-# ---------------------------------------------------------------- dispatch fallback
+# ---------------------------------------------------------------- the decision point
 
 FAILURE = "prefix_attention (level 1): out max error 0.7 (atol 1e-05, rtol 1e-05) at 9 of 9"
 
@@ -220,137 +220,113 @@ class RecordingCheck:
 
 
 @pytest.fixture
-def cpu_like_cuda(monkeypatch):
-    """An empty check registry in which CPU (and meta) tensors default to Triton as CUDA
-    tensors do, and no LLM_OPERATOR_KERNELS."""
-    monkeypatch.delenv(kernels.IMPLEMENTATION_ENV, raising=False)
-    monkeypatch.setattr(kernels, "_TRITON_DEVICE_TYPES", ("cuda", "cpu", "meta"))
-    monkeypatch.setattr(kernels, "_check_results", {})
-    monkeypatch.setattr(kernels, "_fallback_devices", set())
-    return monkeypatch
+def registry(monkeypatch) -> RecordingCheck:
+    """check_triton replaced by a RecordingCheck returning FAILURE, with the factory's
+    once-per-process memo of the checks emptied."""
+    from llm_operator.engine import factory
 
-
-@pytest.fixture
-def registry(cpu_like_cuda) -> RecordingCheck:
-    """cpu_like_cuda with check_triton replaced by a RecordingCheck returning FAILURE (and
-    no proof in a child process first, which would run the real check: test_artifact_proof
-    covers that)."""
-    cpu_like_cuda.setenv("LLM_OPERATOR_PROVE", "off")
     fake = RecordingCheck(FAILURE)
-    cpu_like_cuda.setattr(self_check, "check_triton", fake)
-    return fake
+    monkeypatch.setattr(self_check, "check_triton", fake)
+    factory._triton_failure.cache_clear()
+    factory._triton_fused_failure.cache_clear()
+    yield fake
+    factory._triton_failure.cache_clear()
+    factory._triton_fused_failure.cache_clear()
 
 
-def test_failed_check_sends_the_device_to_torch_and_warns_once(registry, monkeypatch):
-    case = self_check._Case(CPU, torch.float32, 4, 2, 32, prefill_rows=4)
-    args = (case.q, *case.device_caches(), case.prefix_batches[0], case.scale)
-    assert kernels.implementation(case.q) == "triton"
+def paths_for(model_dir, device: str, **options):
+    """``factory.native_paths`` for the model in ``model_dir`` on ``device`` (a meta device
+    stands in for CUDA: the decision needs the device's type, not the device)."""
+    from llm_operator.config import EngineConfig
+    from llm_operator.engine import factory
+    from llm_operator.models.llama import LlamaModel
 
+    model = LlamaModel.from_pretrained(model_dir, device=CPU, dtype=torch.float32)
+    return factory.native_paths(EngineConfig(**options), model, torch.device(device), torch.float32)
+
+
+def test_failed_check_takes_the_torch_kernels_and_warns_once(registry, tiny_qwen3_dir):
+    """On CUDA "auto" picks Triton after its self-check, with the model's heads (qwen3:
+    head_dim 32, not hidden / heads = 16); a failure takes the torch kernels, eager
+    regions and no graphs, after one warning, and the check is not run again."""
     with pytest.warns(RuntimeWarning) as record:
-        assert kernels.ensure_checked("cpu", torch.float32) == FAILURE
+        paths = paths_for(tiny_qwen3_dir, "cuda")
     assert len(record) == 1
     message = str(record[0].message)
-    assert "failed their self-check on cpu (float32)" in message
-    assert FAILURE in message and "uses the torch reference" in message
+    assert "failed their self-check on cuda (float32)" in message and FAILURE in message
+    assert (paths.attention, paths.elementwise, paths.graphs) == ("torch", "eager", "off")
+    assert FAILURE in paths.describe()
     assert registry.calls == [
-        (CPU, torch.float32, {"num_heads": 4, "num_kv_heads": 2, "head_dim": 32})
-    ]
-
+        (torch.device("cuda"), torch.float32,
+         {"num_heads": 4, "num_kv_heads": 2, "head_dim": 32, "windowed": False})
+    ]  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # any further warning fails the test
-        for _ in range(3):
-            assert kernels.ensure_checked(CPU, torch.float32) == FAILURE
-        assert kernels.implementation(case.q) == "torch"
-        assert kernels.implementation(case.q.half()) == "torch"  # every dtype on the device
-        assert kernels.implementation(torch.empty(1, device="meta")) == "triton"  # not others
-
-        def must_not_run(*call_args):
-            raise AssertionError("the Triton kernel ran after a failed self-check")
-
-        monkeypatch.setattr(tri, "prefix_attention", must_not_run)
-        routed = kernels.prefix_attention(*args)
+        assert paths_for(tiny_qwen3_dir, "cuda").attention == "torch"
     assert len(registry.calls) == 1  # checked once
-    expected = torch_attention.prefix_attention(*args)
-    torch.testing.assert_close(routed, expected, atol=0, rtol=0)
 
 
-def test_passing_check_keeps_triton_and_runs_once_per_dtype_and_shape(registry):
+def test_passing_check_keeps_triton_and_graphs_on_cuda(registry, monkeypatch, tiny_qwen3_dir):
+    from llm_operator.kernels import self_check_fused
+
     registry.reason = None
-    tensor = torch.zeros(2, 3)
+    monkeypatch.setattr(self_check_fused, "check_triton_fused", lambda *args, **sizes: None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert kernels.ensure_checked(CPU, torch.float32) is None
-        assert kernels.ensure_checked(CPU, torch.float32) is None
-        assert kernels.ensure_checked(CPU, torch.bfloat16, num_heads=9, num_kv_heads=3) is None
-    assert kernels.implementation(tensor) == "triton"
-    assert [(dtype, heads["num_heads"]) for _, dtype, heads in registry.calls] == [
-        (torch.float32, 4),
-        (torch.bfloat16, 9),
-    ]
+        paths = paths_for(tiny_qwen3_dir, "cuda")
+    assert (paths.attention, paths.elementwise, paths.graphs) == ("triton", "triton", "capture")
+    assert paths.overlap and paths.fused_store and not paths.invariant
+    assert (paths.forward, paths.gemm) == ("eager", "aten")
 
 
-def test_explicit_environment_skips_the_check_and_overrides_the_fallback(registry, monkeypatch):
-    tensor = torch.zeros(2, 3)
-    for forced in ("triton", "torch"):
-        monkeypatch.setenv(kernels.IMPLEMENTATION_ENV, forced)
-        assert kernels.ensure_checked(CPU, torch.float32) is None
-        assert kernels.implementation(tensor) == forced
-    assert registry.calls == []  # neither ran the check
-
-    monkeypatch.delenv(kernels.IMPLEMENTATION_ENV)
-    with pytest.warns(RuntimeWarning, match="self-check"):
-        kernels.ensure_checked(CPU, torch.float32)
-    assert kernels.implementation(tensor) == "torch"
-    monkeypatch.setenv(kernels.IMPLEMENTATION_ENV, "triton")
-    assert kernels.implementation(tensor) == "triton"  # explicit still forces the kernels
-    monkeypatch.setenv(kernels.IMPLEMENTATION_ENV, "gpu")
-    with pytest.raises(ValueError, match=kernels.IMPLEMENTATION_ENV):
-        kernels.ensure_checked(CPU, torch.float32)
+def test_explicit_kernels_are_checked_and_raise_instead_of_falling_back(registry, tiny_qwen3_dir):
+    with pytest.raises(RuntimeError, match="kernels='triton' but the kernels failed: prefix"):
+        paths_for(tiny_qwen3_dir, "cuda", kernels="triton")
+    paths = paths_for(tiny_qwen3_dir, "cuda", kernels="torch")
+    assert (paths.attention, paths.fallbacks) == ("torch", ())
+    with pytest.raises(ValueError, match="kernels='cpp' runs fp32 and bf16 on the CPU"):
+        paths_for(tiny_qwen3_dir, "cuda", kernels="cpp")
+    with pytest.raises(ValueError, match="cuda_graphs='on': it needs the Triton kernels"):
+        paths_for(tiny_qwen3_dir, "cpu", kernels="torch", cuda_graphs="on")
 
 
-def test_devices_on_the_torch_path_are_not_checked(registry, monkeypatch):
-    monkeypatch.setattr(kernels, "_TRITON_DEVICE_TYPES", ("cuda",))  # the real default
+def test_cpu_devices_take_the_compiled_kernels_without_a_triton_check(registry, tiny_qwen3_dir):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert kernels.ensure_checked(CPU, torch.float32) is None
-    assert registry.calls == [] and kernels._fallback_devices == set()
-    assert kernels.implementation(torch.zeros(1)) == "torch"
+        paths = paths_for(tiny_qwen3_dir, "cpu")
+    assert registry.calls == []
+    assert (paths.attention, paths.forward, paths.gemm) == ("cpp", "compiled", "packed")
+    assert (paths.graphs, paths.overlap, paths.fallbacks) == ("off", False, ())
 
 
-def test_real_check_through_the_registry(cpu_like_cuda):
+def test_real_check_in_the_interpreter(tiny_qwen3_dir):
+    from llm_operator.engine import factory
+
+    factory._triton_failure.cache_clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert kernels.ensure_checked(CPU, torch.float32) is None
-    assert kernels._check_results == {("cpu", None, torch.float32, 4, 2, 32, False): None}
-    assert kernels.implementation(torch.zeros(1)) == "triton"
+        paths = paths_for(tiny_qwen3_dir, "cpu", kernels="triton")
+    assert (paths.attention, paths.elementwise, paths.graphs) == ("triton", "triton", "off")
 
 
-# ---------------------------------------------------------------- engine start
-
-
-def test_native_engine_checks_with_the_model_heads_and_falls_back(
-    registry, monkeypatch, tiny_qwen3_dir
-):
-    """LLMOperator checks at engine start with the model's heads (qwen3: head_dim 32, not
-    hidden / heads = 16); after the failure no Triton kernel runs and every row completes."""
+def test_native_engine_falls_back_when_the_compiled_kernels_fail(monkeypatch, tiny_qwen3_dir):
+    """A CPU whose compiled kernels cannot load (no compiler, a failed self-check) runs
+    the torch kernels after one warning, and every row completes; kernels="cpp" refuses."""
     from llm_operator import LLMOperator, SamplingParams
+    from llm_operator.kernels import cpu_extension
 
-    def must_not_run(*args):
-        raise AssertionError("a Triton kernel ran after a failed self-check")
-
-    for name in ("store_kv", "own_attention", "prefix_attention", "merge_attention_states"):
-        monkeypatch.setattr(tri, name, must_not_run)
-
+    monkeypatch.setattr(cpu_extension, "load", lambda: None)
+    monkeypatch.setattr(cpu_extension, "failure", lambda: "no C++ compiler")
     op = LLMOperator(tiny_qwen3_dir, backend="native", device="cpu")
     prompts = ["Summarize the review in one sentence.", "Summarize the review: great value."]
-    with pytest.warns(RuntimeWarning, match="self-check") as record:
-        results = op.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0))
-    assert len([w for w in record if "self-check" in str(w.message)]) == 1
-    assert registry.calls == [
-        (CPU, torch.float32, {"num_heads": 4, "num_kv_heads": 2, "head_dim": 32})
-    ]
+    results = op.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0))
     assert [r.error for r in results] == [None, None]
     assert all(r.completion_tokens > 0 for r in results)
+    paths = op.backend().paths
+    assert (paths.attention, paths.forward) == ("torch", "eager")
+    assert "compiled CPU kernels unavailable: no C++ compiler" in paths.describe()
+    with pytest.raises(RuntimeError, match="kernels='cpp' but the compiled CPU kernels"):
+        LLMOperator(tiny_qwen3_dir, backend="native", kernels="cpp").generate(prompts)
 
 
 # ---------------------------------------------------------------- the elementwise kernels

@@ -1,5 +1,5 @@
 """Paged-KV attention on the torch path (kernels/torch_attention.py, the batches and checks of
-kernels/metadata.py, through llm_operator.kernels): store_kv, prefix/own attention, merge.
+kernels/layout.py): store_kv, prefix/own attention, merge.
 
 Oracle: dense float64 attention over explicitly concatenated [prefix ; own] K/V (the
 tensors the test wrote, not read back from the cache), an explicit causal mask, and GQA
@@ -18,15 +18,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm_operator.kernels import (
-    chain_batch,
+from llm_operator.kernels import own_batch, prefix_batch, torch_attention
+from llm_operator.kernels.torch_attention import (
     merge_attention_states,
     own_attention,
-    own_batch,
     prefix_attention,
-    prefix_batch,
     store_kv,
-    torch_attention,
 )
 
 # Output vs the float64 oracle; parts are rounded to the dtype before the merge.
@@ -506,67 +503,6 @@ def test_prefix_batch_of_several_segments_matches_each_alone(block_size):
         case.q[[1, 2]], keys, values, torch.ones(2, lengths[1], dtype=torch.bool), case.scale
     )
     torch.testing.assert_close(out[[1, 2]].double(), expected, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("block_size", [1, 4])
-def test_chain_batch_equals_its_levels_merged_and_the_dense_oracle(block_size):
-    """A chain (segments with partly filled last blocks, read in order) is one part: the
-    same as one prefix_batch per level merged by log-sum-exp, and as dense attention over
-    the keys written at its positions. Rows read different chains of different depths."""
-    lengths = [5, 9, 3]  # segment 0 (outermost), then 1 or 2 below it
-    case, cuts, tables = segments_case(lengths, block_size, seed=12)
-    segments = list(zip(tables, lengths))
-    chains = [(0, 1), (0, 2), (1,)]
-    chain_rows = [[0, 5, 7], [1, 2, 9], [3, 6]]  # rows 4 and 8 read no chain
-    batch = chain_batch(
-        chain_rows,
-        [[segments[s] for s in chain] for chain in chains],
-        num_rows=10,
-        **cache_shape(case),
-    )
-    assert batch.host_lengths == (14, 8, 9)
-    out, lse = prefix_attention(case.q, case.k_cache, case.v_cache, batch, case.scale)
-    for rows, chain in zip(chain_rows, chains):
-        levels = [attend_prefix(case, case.q[rows], *segments[s]) for s in chain]
-        merged = merge_attention_states(levels)
-        torch.testing.assert_close(out[rows], merged.out, atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(lse[rows], merged.lse, atol=1e-6, rtol=1e-6)
-        # dense oracle: the keys written at each segment's positions, in chain order
-        starts = [cuts[s] * block_size for s in chain]
-        keys = torch.cat([case.prefix_k[a : a + lengths[s]] for a, s in zip(starts, chain)])
-        values = torch.cat([case.prefix_v[a : a + lengths[s]] for a, s in zip(starts, chain)])
-        visible = torch.ones(len(rows), keys.shape[0], dtype=torch.bool)
-        expected, _ = dense_attention(case.q[rows], keys, values, visible, case.scale)
-        torch.testing.assert_close(out[rows].double(), expected, atol=1e-5, rtol=1e-5)
-    assert bool((out[[4, 8]] == 0).all()) and bool(torch.isneginf(lse[[4, 8]]).all())
-
-
-def test_chain_batch_rejects_bad_chains():
-    case = make_case(
-        prefix_len=8, requests=[(2, 2)], block_size=4, num_kv_heads=1, group=2, head_dim=8
-    )
-    shape = cache_shape(case)
-    blocks = case.prefix_blocks
-    with pytest.raises(ValueError, match="one entry per chain"):
-        chain_batch([[0], [1]], [[(blocks, 8)]], num_rows=2, **shape)
-    with pytest.raises(ValueError, match="need 3 blocks"):
-        chain_batch([[0]], [[(blocks, 9)]], num_rows=2, **shape)
-    with pytest.raises(ValueError, match="two segments"):
-        chain_batch([[0], [0]], [[(blocks, 8)], [(blocks, 4)]], num_rows=2, **shape)
-
-
-def test_chain_batch_is_refused_by_the_triton_kernels(monkeypatch):
-    """The Triton kernels read block tables only: a chain batch sent there is an error,
-    never a silent misread."""
-    from llm_operator import kernels
-
-    case = make_case(
-        prefix_len=8, requests=[(2, 2)], block_size=4, num_kv_heads=1, group=2, head_dim=8
-    )
-    batch = chain_batch([[0, 1]], [[(case.prefix_blocks, 8)]], num_rows=2, **cache_shape(case))
-    monkeypatch.setenv(kernels.IMPLEMENTATION_ENV, "triton")
-    with pytest.raises(ValueError, match="torch path only"):
-        kernels.prefix_attention(case.q, case.k_cache, case.v_cache, batch, case.scale)
 
 
 @pytest.mark.parametrize("num_sets", [1, 2, 3])

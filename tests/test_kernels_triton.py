@@ -30,8 +30,7 @@ from test_kernels_torch import (  # noqa: E402
     check_store_writes_exactly_the_given_slots,
 )
 
-import llm_operator.kernels as kernels  # noqa: E402
-from llm_operator.kernels import metadata, torch_attention  # noqa: E402
+from llm_operator.kernels import layout, torch_attention  # noqa: E402
 from llm_operator.kernels import triton_attention as tri  # noqa: E402
 
 
@@ -40,8 +39,8 @@ class Case:
     q: torch.Tensor  # [T, num_heads, head_dim]
     k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim], NaN where unused
     v_cache: torch.Tensor
-    prefix: metadata.PrefixBatch
-    own: metadata.OwnBatch
+    prefix: layout.PrefixBatch
+    own: layout.OwnBatch
     scale: float
 
 
@@ -92,7 +91,7 @@ def make_case(
         torch.cat([blocks, torch.tensor([10**6, -5])]).to(index_dtype)
         for blocks in owned[: len(segments)]
     ]
-    prefix = metadata.prefix_batch(
+    prefix = layout.prefix_batch(
         [list(rows) for _, rows in segments],
         [b.tolist() for b in segment_blocks],
         [length for length, _ in segments],
@@ -105,7 +104,7 @@ def make_case(
     for b, blocks in enumerate(owned[len(segments) :]):
         tables[b, : len(blocks)] = blocks.to(index_dtype)
     starts = list(itertools.accumulate((n for _, n in requests), initial=0))
-    own = metadata.own_batch(
+    own = layout.own_batch(
         torch.tensor(starts, dtype=index_dtype),
         tables,
         torch.tensor([c for c, _ in requests], dtype=index_dtype),
@@ -303,7 +302,7 @@ def test_attend_merges_every_level_in_place(monkeypatch, dtype, splits):
     k_cache = torch.cat([case.k_cache, second.k_cache])
     v_cache = torch.cat([case.v_cache, second.v_cache])
     offset = case.k_cache.shape[0]
-    level2 = metadata.prefix_batch(
+    level2 = layout.prefix_batch(
         [list(second.prefix.host_rows)],
         [(second.prefix.block_tables[0, :6] + offset).tolist()],
         [90],
@@ -311,14 +310,14 @@ def test_attend_merges_every_level_in_place(monkeypatch, dtype, splits):
         block_size=16,
         num_blocks=k_cache.shape[0],
     )
-    level1 = metadata.prefix_batch(
+    level1 = layout.prefix_batch(
         [list(case.prefix.host_rows[a:b]) for a, b in
          zip(case.prefix.host_row_start, case.prefix.host_row_start[1:])],
         [row.tolist() for row in case.prefix.block_tables],
         list(case.prefix.host_lengths),
         num_rows=case.q.shape[0], block_size=16, num_blocks=k_cache.shape[0],
     )  # fmt: skip
-    own = metadata.own_batch(
+    own = layout.own_batch(
         list(case.own.host_query_start),
         case.own.block_tables.tolist(),
         list(case.own.host_context_lens),
@@ -451,34 +450,6 @@ def test_launchers_reject_bad_arguments():
     with pytest.raises(TypeError, match="int32 or int64"):
         k = torch.zeros(2, 2, 16)
         tri.store_kv(*args, k, k, torch.tensor([0.0, 1.0]))
-
-
-# ---------------------------------------------------------------- dispatch
-
-
-def test_environment_routes_cpu_tensors_to_triton(monkeypatch):
-    case = make_case(prefix_len=21, requests=BATCHES["decode_only"], seed=8)
-    args = (case.q, case.k_cache, case.v_cache, case.prefix, case.scale)
-    calls = []
-    original = tri.prefix_attention
-
-    def spy(*call_args):
-        calls.append(len(call_args))
-        return original(*call_args)
-
-    monkeypatch.setattr(tri, "prefix_attention", spy)
-    monkeypatch.setenv(kernels.IMPLEMENTATION_ENV, "triton")
-    assert kernels.implementation(case.q) == "triton"
-    routed = kernels.prefix_attention(*args)
-    assert calls == [5]
-    assert_close(routed, torch_attention.prefix_attention(*args), case.q.dtype)
-
-    monkeypatch.setenv(kernels.IMPLEMENTATION_ENV, "torch")
-    kernels.prefix_attention(*args)
-    assert calls == [5]  # the torch path ran
-    monkeypatch.setenv(kernels.IMPLEMENTATION_ENV, "cuda-magic")
-    with pytest.raises(ValueError, match=kernels.IMPLEMENTATION_ENV):
-        kernels.prefix_attention(*args)
 
 
 # ---------------------------------------------------------------- GPU build

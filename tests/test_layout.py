@@ -4,8 +4,8 @@
   integrations and building a Dask ``llm_infer`` graph (what a driver does) import
   neither torch, transformers nor xgrammar: a fresh interpreter checks ``sys.modules``.
 - ``kernels/`` imports nothing above it; the library (``llm_operator``, ``kernels``,
-  ``integrations``) never imports ``llm_operator_bench`` except where the command line
-  hands it the ``bench`` and ``demo`` commands.
+  ``integrations``) never imports ``llm_operator_bench`` (its ``bench`` command comes
+  through an entry point of group ``llm_operator.commands``).
 """
 
 from __future__ import annotations
@@ -72,13 +72,12 @@ def test_kernels_import_nothing_above_them() -> None:
 
 
 def test_the_library_never_imports_the_benchmarks() -> None:
-    allowed = {ROOT / "llm_operator" / "cli" / "main.py"}  # hands over `bench` and `demo`
     offending = {
         f"{path.relative_to(ROOT)}: {name}"
         for folder in ("llm_operator", "kernels", "integrations")
         for path in (ROOT / folder).rglob("*.py")
         for name in _imports(path)
-        if name.startswith("llm_operator_bench") and path not in allowed
+        if name.startswith("llm_operator_bench")
     }
     assert not offending, sorted(offending)
 
@@ -110,3 +109,90 @@ def test_the_operator_stays_a_coordinator() -> None:
     assert len(source.splitlines()) <= 200
     for backend in ("openai", "native", "hf.backend", "NativeBackend", "HFBackend", "httpx"):
         assert backend not in source, backend
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """The library's modules (llm_operator, kernels and integrations under their installed
+    names) and, for each, the library modules it imports: at the top, inside functions and
+    under TYPE_CHECKING alike. ``from package import name`` counts as the submodule when
+    ``name`` is one, else as the package."""
+    folders = {"llm_operator": "llm_operator", "kernels": "llm_operator.kernels",
+               "integrations": "llm_operator.integrations"}  # fmt: skip
+    modules: dict[str, Path] = {}
+    for folder, name in folders.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join((name, *parts))] = path
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        targets: set[str | None] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(resolve(alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    targets.add(full if full in modules else resolve(node.module))
+        graph[module] = {t for t in targets if t is not None and t != module}
+    return graph
+
+
+def test_no_import_circles_lazy_or_type_only() -> None:
+    """No module reaches itself through imports, counting lazy (in-function) and
+    TYPE_CHECKING imports: the layers import one way."""
+    graph = _module_graph()
+    circles = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                circles.append(path[path.index(target) :] + [target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not circles, "\n".join(" -> ".join(circle) for circle in circles)
+
+
+def test_the_kernels_package_only_re_exports() -> None:
+    """kernels/__init__.py holds a docstring, imports and __all__: no state, no dispatch."""
+    tree = ast.parse((ROOT / "kernels" / "__init__.py").read_text())
+    kinds = set()
+    for node in tree.body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            kinds.add("docstring")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            kinds.add("import")
+        elif isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["__all__"]:
+            kinds.add("__all__")
+        else:
+            kinds.add(type(node).__name__)
+    assert kinds == {"docstring", "import", "__all__"}, kinds
+
+
+def test_the_library_reads_no_llm_operator_switches() -> None:
+    """Every LLM_OPERATOR_* switch is an option (EngineConfig) or gone: the library reads
+    only LLM_OPERATOR_CACHE, the default of the cache_dir option."""
+    import re
+
+    found = {
+        f"{path.relative_to(ROOT)}: {name}"
+        for folder in ("llm_operator", "kernels", "integrations")
+        for path in (ROOT / folder).rglob("*.py")
+        for name in re.findall(r"LLM_OPERATOR_[A-Z_]+", path.read_text())
+        if name != "LLM_OPERATOR_CACHE"
+    }
+    assert not found, sorted(found)

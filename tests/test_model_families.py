@@ -54,12 +54,13 @@ def test_window_families_match_hf_generate(family, window_family_dirs):
 
 @pytest.mark.parametrize("family", ["gemma3", "mistral_window", "qwen2_mixed", "phi3"])
 @pytest.mark.parametrize("kernels", ["cpp", "torch"])
-def test_window_kernels_match_hf_generate(family, kernels, window_family_dirs, monkeypatch):
+def test_window_kernels_match_hf_generate(family, kernels, window_family_dirs):
     """The fast (not batch-invariant) compiled kernels, and the torch kernels, which also
     leave out of a row's batch the segments its window misses."""
-    monkeypatch.setenv("LLM_OPERATOR_KERNELS", kernels)
     model_dir = window_family_dirs(family)
-    op = LLMOperator(model_dir, backend="native", deterministic=False, kv_block_size=8)
+    op = LLMOperator(
+        model_dir, backend="native", kernels=kernels, deterministic=False, kv_block_size=8
+    )
     prompts = _prompts()
     results = op.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     assert_matches_hf(op, model_dir, prompts, results, 12, ignore_eos=True)
@@ -230,16 +231,17 @@ def test_longrope_and_partial_rotary_match_hf_generate(window_family_dirs):
     assert hf.generate([long], SamplingParams(max_tokens=4))[0].finish_reason != "error"
 
 
-def test_triton_kernels_take_windows(window_family_dirs, monkeypatch):
+def test_triton_kernels_take_windows(window_family_dirs):
     """The Triton kernels take sliding windows (under the interpreter here): Gemma 3's
     mixed layers run on them, exact against HF generate; Gemma 2's soft caps stay on the
     torch kernels, which alone compute them."""
     pytest.importorskip("triton")
-    monkeypatch.setenv("LLM_OPERATOR_KERNELS", "triton")
     prompts = three_level_prompts()[:4]
     for family, implementation in (("gemma3", "triton"), ("gemma2", "torch")):
         model_dir = window_family_dirs(family)
-        op = LLMOperator(model_dir, backend="native", kv_block_size=8, cuda_graphs="off")
+        op = LLMOperator(
+            model_dir, backend="native", kernels="triton", kv_block_size=8, cuda_graphs="off"
+        )
         results = op.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
-        assert op.backend()._implementation() == implementation
+        assert op.backend().paths.attention == implementation
         assert_matches_hf(op, model_dir, prompts, results, 6, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""bench.model_server without vLLM: the Prometheus parser, the command line, and a server's
+"""bench.testing.model_server without vLLM: the Prometheus parser, the command line, and a server's
 life (start, readiness, metrics, failure, close of its process group) with a stand-in
 "python" whose ``-m vllm...`` runs a tiny stdlib server. The real server is exercised where
 vLLM is installed, by the OpenAI-backend tests."""
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from llm_operator_bench import model_server
-from llm_operator_bench.model_server import (
+from llm_operator_bench.testing import model_server
+from llm_operator_bench.testing.model_server import (
     parse_prometheus,
     sample_labels,
     server_command,

@@ -69,10 +69,8 @@ def test_interpreted_triton_kernels_match_hf(tiny_qwen3_dir, monkeypatch):
     interpreter on the CPU) still gives HF generate's tokens: shared segments at two and
     three levels, chunked prefill, decodes."""
     pytest.importorskip("triton")
-    from llm_operator import kernels
     from llm_operator.kernels import triton_attention
 
-    monkeypatch.setenv(kernels.IMPLEMENTATION_ENV, "triton")
     levels = []  # segment levels of each attend call (the engine's Triton path)
     attend = triton_attention.attend
 
@@ -82,7 +80,9 @@ def test_interpreted_triton_kernels_match_hf(tiny_qwen3_dir, monkeypatch):
 
     monkeypatch.setattr(triton_attention, "attend", counting)
     prompts = three_level_prompts()[:6]
-    op = LLMOperator(tiny_qwen3_dir, backend="native", kv_block_size=4, prefill_batch_tokens=48)
+    op = LLMOperator(
+        tiny_qwen3_dir, backend="native", kernels="triton", kv_block_size=4, prefill_batch_tokens=48
+    )
     results = op.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
     assert_matches_hf(op, tiny_qwen3_dir, prompts, results, 3, ignore_eos=True)
     assert levels and max(levels) >= 2  # own parts and segments at two levels, merged
@@ -197,16 +197,17 @@ def without_cpu_kernels(monkeypatch):
 @pytest.mark.parametrize("path", ["compiled-decoder", "cpp-attention", "torch", "no-cpp"])
 def test_every_cpu_path_matches_hf_generate(native_model_dir, path, monkeypatch, request):
     """The CPU paths a step can take, each token-identical to HF generate: the decoder in
-    one compiled call; eager layers over the compiled attention and packed GEMMs
-    (LLM_OPERATOR_COMPILED_DECODER=0); the torch attention (LLM_OPERATOR_KERNELS=torch);
-    and a machine whose kernels failed to build (torch attention, aten/oneDNN GEMMs)."""
-    from llm_operator import kernels
+    one compiled call; eager layers over the compiled attention and packed GEMMs (what
+    Gemma and Phi-3 take: here a model the decoder is told it cannot run); the torch
+    attention (kernels="torch"); and a machine whose kernels failed to build (torch
+    attention, aten GEMMs)."""
     from llm_operator.models import cpu_decoder
 
+    options = {}
     if path == "cpp-attention":
-        monkeypatch.setenv(cpu_decoder.DECODER_ENV, "0")
+        monkeypatch.setattr(cpu_decoder, "unsupported", lambda model: "told so")
     elif path == "torch":
-        monkeypatch.setenv(kernels.IMPLEMENTATION_ENV, "torch")
+        options["kernels"] = "torch"
     elif path == "no-cpp":
         request.getfixturevalue("without_cpu_kernels")
     calls = {"decoder": 0}
@@ -218,22 +219,24 @@ def test_every_cpu_path_matches_hf_generate(native_model_dir, path, monkeypatch,
 
     monkeypatch.setattr(cpu_decoder.CompiledDecoder, "__call__", counting)
     prompts = three_level_prompts()
-    op = LLMOperator(native_model_dir, backend="native", kv_block_size=4, prefill_batch_tokens=40)
+    op = LLMOperator(
+        native_model_dir, backend="native", kv_block_size=4, prefill_batch_tokens=40, **options
+    )
     results = op.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
     assert_matches_hf(op, native_model_dir, prompts, results, 6, ignore_eos=True)
     backend = op.backend()
+    assert backend.paths.forward == ("compiled" if path == "compiled-decoder" else "eager")
     expected = "cpp" if path in ("compiled-decoder", "cpp-attention") else "torch"
     assert backend._pool[0] == expected  # the kernels of the last run (its KV pool layout)
     assert (calls["decoder"] > 0) == (path == "compiled-decoder")
-    packed = backend.model.layers[0].qkv_proj.packed
-    assert (packed is None) == (path == "no-cpp")
+    packed = backend.model.layers[0].qkv_proj.packed  # the torch kernels take aten's GEMM
+    assert (packed is None) == (path in ("torch", "no-cpp"))
 
 
 def test_op_profile_splits_each_iteration(tiny_llama_dir, monkeypatch):
-    from llm_operator.engine.native.op_profile import KINDS, PROFILE_ENV
+    from llm_operator.engine.native.op_profile import KINDS
 
-    monkeypatch.setenv(PROFILE_ENV, "1")
-    op = LLMOperator(tiny_llama_dir, backend="native")
+    op = LLMOperator(tiny_llama_dir, backend="native", profile_ops=True)
     op.generate(three_level_prompts()[:4], SamplingParams(max_tokens=5, ignore_eos=True))
     profile = op.backend().last_profile
     assert len(profile.ops) == len(profile.steps) == profile.iterations
@@ -248,11 +251,7 @@ def test_op_profile_splits_each_iteration(tiny_llama_dir, monkeypatch):
 def test_kv_pool_is_reused_by_a_smaller_run(tiny_llama_dir, path, monkeypatch):
     """The KV pool of a large run serves the next, smaller one (on every attention path):
     its block count is the pool's, not the run's, and answers stay HF's."""
-    from llm_operator import kernels
-
-    if path == "torch":
-        monkeypatch.setenv(kernels.IMPLEMENTATION_ENV, "torch")
-    op = LLMOperator(tiny_llama_dir, backend="native", kv_block_size=4)
+    op = LLMOperator(tiny_llama_dir, backend="native", kv_block_size=4, kernels=path)
     prompts = three_level_prompts()
     op.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     backend = op.backend()

@@ -282,3 +282,20 @@ def test_from_pretrained_rejects_bad_input(tmp_path: Path, tiny_llama_dir: Path)
     (tmp_path / "config.json").write_text((tiny_llama_dir / "config.json").read_text())
     with pytest.raises(ValueError, match="neither model.safetensors"):
         LlamaModel.from_pretrained(tmp_path, device=torch.device("cpu"), dtype=torch.float32)
+
+
+def test_other_activations_run_eagerly_and_match_hf(tmp_path):
+    """Only SiLU is a region: a GELU model takes the layer's eager act_fn and still gives
+    HF's logits."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("llama", 512, 0)
+    config.hidden_act = "gelu_pytorch_tanh"
+    torch.manual_seed(4321)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
+    model = native_model(tmp_path)
+    assert not model.layers[0].fuse_activation
+    batch = prompts(512, lengths=(9, 14))
+    chunks = [(f"r{i}", ids, 0) for i, ids in enumerate(batch)]
+    for ids, logits in zip(batch, run_packed(model, DenseAttention(model.config), chunks)):
+        torch.testing.assert_close(logits, hf_logits(tmp_path, ids), atol=1e-5, rtol=1e-5)

@@ -3,7 +3,7 @@ as the ``vllm`` backend, plan order, the server's prefix-cache counters, faults 
 local proxy, bad rows and a bad server, constrained outputs, log-probabilities, the chat API.
 
 Runs where ``import vllm`` works (``make test-vllm`` runs it in .venv-vllm): one server
-per module (``llm_operator_bench.model_server``; eager, block size 32, max_model_len 256)
+per module (``llm_operator_bench.testing.model_server``; eager, block size 32, max_model_len 256)
 on the tiny Llama of test_vllm_backend.py, given a chat template, and one offline ``vllm``
 backend with the same settings as the reference.
 """
@@ -83,7 +83,7 @@ def model_dir(vllm_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path):
-    from llm_operator_bench.model_server import start_vllm_server
+    from llm_operator_bench.testing.model_server import start_vllm_server
 
     with start_vllm_server(
         model_dir,
@@ -209,7 +209,7 @@ def test_plan_order_sends_a_group_s_first_row_alone_and_table_order_the_table_s(
 def test_faults_are_retried_and_every_row_comes_back_once_as_without_them(
     model_dir: Path, server, operator
 ) -> None:
-    from llm_operator_bench.fault_proxy import FaultProxy, fail_once
+    from llm_operator_bench.testing.fault_proxy import FaultProxy, fail_once
 
     params = [SamplingParams(max_tokens=8 + i % 3) for i in range(len(PROMPTS))]
     expected = operator.generate(PROMPTS, params)

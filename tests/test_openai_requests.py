@@ -16,7 +16,7 @@ import pytest
 
 from llm_operator import LLMOperator, SamplingParams
 from llm_operator.engine.openai.client import cache_tokens_of, retry_after
-from llm_operator_bench.fault_proxy import FaultProxy
+from llm_operator_bench.testing.fault_proxy import FaultProxy
 
 TOO_LONG = 40  # prompts longer than this get a 400, as a server's max_model_len would
 

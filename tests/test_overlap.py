@@ -1,5 +1,5 @@
 """The next iteration scheduled while the device runs this one (``engine/native/overlap.py``),
-forced on the CPU (``LLM_OPERATOR_OVERLAP=on``), where it runs the same guesses: every
+forced on the CPU (``overlap="on"``), where it runs the same guesses: every
 row's tokens must still be Hugging Face ``generate``'s, with rows ending at EOS, at
 ``max_tokens``, joining mid-run and being preempted."""
 
@@ -14,8 +14,7 @@ from llm_operator.engine.native import overlap
 
 @pytest.fixture
 def overlapped(monkeypatch):
-    """Overlap on, and a count of the runs that took it."""
-    monkeypatch.setenv(overlap.OVERLAP_ENV, "on")
+    """A count of the runs that took the overlap (the tests ask for it: overlap="on")."""
     runs = []
     init = overlap.OverlappedSteps.__init__
 
@@ -32,7 +31,7 @@ def test_overlapped_steps_match_hf_generate(tiny_llama_dir, overlapped, options)
     """Rows join as others end (3 running), prefill chunks mix with guessed decodes (40
     tokens a step), everything at once; per-row max_tokens of 1 to 7."""
     prompts = three_level_prompts()
-    op = LLMOperator(tiny_llama_dir, backend="native", **options)
+    op = LLMOperator(tiny_llama_dir, backend="native", overlap="on", **options)
     results = op.generate(prompts, SamplingParams(max_tokens=7, ignore_eos=True))
     assert_matches_hf(op, tiny_llama_dir, prompts, results, 7, ignore_eos=True)
     assert len(overlapped) == 1
@@ -51,7 +50,7 @@ def test_rows_ending_at_eos_are_dropped_one_step_later(
         return guess(self, sampled, dropped_rows)
 
     monkeypatch.setattr(overlap.OverlappedSteps, "_guess", counting)
-    check_eos_hit_mid_batch(tiny_qwen2_dir, tmp_path, "native", max_batch_size=4)
+    check_eos_hit_mid_batch(tiny_qwen2_dir, tmp_path, "native", overlap="on", max_batch_size=4)
     assert overlapped  # the EOS run took the overlap
     assert sum(dropped) > 0, "no row ended at EOS while guessed on: a weak test"
 
@@ -62,22 +61,21 @@ def test_preempted_guessed_rows(tiny_llama_dir, overlapped):
     prompts = three_level_prompts()
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     small = {"kv_block_size": 4, "kv_cache_memory": 60 * 4 * 512}
-    op = LLMOperator(tiny_llama_dir, backend="native", **small)
+    op = LLMOperator(tiny_llama_dir, backend="native", overlap="on", **small)
     results = op.generate(prompts, params)
     assert op.backend().last_profile.preemptions > 0, "no preemption: a weak test"
     assert overlapped
     assert_matches_hf(op, tiny_llama_dir, prompts, results, 12, ignore_eos=True)
 
 
-def test_graphs_and_overlap_together(tiny_llama_dir, tmp_path, overlapped, monkeypatch):
-    from llm_operator import kernels
-
-    monkeypatch.setenv(kernels.IMPLEMENTATION_ENV, "triton")
-    check_eos_hit_mid_batch(tiny_llama_dir, tmp_path, "native", cuda_graphs="on")
+def test_graphs_and_overlap_together(tiny_llama_dir, tmp_path, overlapped):
+    check_eos_hit_mid_batch(
+        tiny_llama_dir, tmp_path, "native", kernels="triton", cuda_graphs="on", overlap="on"
+    )
 
 
 def test_sampled_rows_do_not_overlap(tiny_llama_dir, overlapped):
-    op = LLMOperator(tiny_llama_dir, backend="native")
+    op = LLMOperator(tiny_llama_dir, backend="native", overlap="on")
     op.generate(["Why", "Great value"], SamplingParams(max_tokens=3, temperature=0.7, seed=1))
     op.generate(["Why"], SamplingParams(max_tokens=3, stop=("zz",)))
     assert overlapped == []

@@ -472,7 +472,7 @@ def test_deep_nesting_does_not_recurse():
 
 
 def test_planner_scale_benchmark_smoke():
-    from llm_operator_bench.planner_scale import run_planner_benchmark
+    from llm_operator_bench.suites.planner import run_planner_benchmark
 
     result = run_planner_benchmark(200, 100, seed=1)
     assert result["prompts"] == 200 and result["tokens"] > 0

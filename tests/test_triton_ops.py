@@ -1,14 +1,12 @@
 """TritonOps (llm_operator.models.triton_ops): the decoder layer's elementwise regions as
-Triton kernels, which ``fused.fused_ops`` picks for CUDA tensors, and for CPU tensors when
-LLM_OPERATOR_KERNELS=triton under the Triton interpreter (how these tests run the CUDA
-path). Inputs the kernels do not take run the eager reference; a kernel failure warns
-once and turns every region eager; the engine on that path gives HF generate's tokens;
-a decode layer dispatches far fewer ops. The kernels' numerics: test_triton_fused.py.
+Triton kernels, which the engine takes on CUDA, and on CPU tensors with kernels="triton"
+under the Triton interpreter (how these tests run the CUDA path). Inputs the kernels do
+not take run the eager reference; the engine on that path gives HF generate's tokens; a
+decode layer dispatches far fewer ops; a failed self-check leaves the regions eager. The
+kernels' numerics: test_triton_fused.py.
 """
 
 from __future__ import annotations
-
-import warnings
 
 import pytest
 
@@ -17,15 +15,14 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 from helpers import NATIVE_FAMILIES  # noqa: E402
 from test_hf_backend import assert_matches_hf, three_level_prompts  # noqa: E402
-from test_triton_fused import DTYPES, EPS, randn, rope_inputs  # noqa: E402
+from test_triton_fused import EPS, randn, rope_inputs  # noqa: E402
 
 from llm_operator import LLMOperator, SamplingParams  # noqa: E402
-from llm_operator.kernels import IMPLEMENTATION_ENV  # noqa: E402
 from llm_operator.kernels import triton_fused as tf  # noqa: E402
-from llm_operator.models import fused, triton_ops  # noqa: E402
-from llm_operator.models.triton_ops import TRITON_OPS, TritonOps  # noqa: E402
+from llm_operator.models import fused  # noqa: E402
+from llm_operator.models.triton_ops import TritonOps  # noqa: E402
 
-# ---------------------------------------------------------------- TritonOps and fused_ops
+# ---------------------------------------------------------------- TritonOps
 
 
 def test_triton_ops_run_the_kernels_or_the_eager_reference(monkeypatch):
@@ -65,54 +62,6 @@ def test_triton_ops_run_the_kernels_or_the_eager_reference(monkeypatch):
     assert needs_grad.grad is not None
 
 
-def test_a_failing_kernel_warns_once_and_every_region_runs_eagerly(monkeypatch):
-    def broken(*args):
-        raise RuntimeError("PTX assembly failed")
-
-    ops = TritonOps()
-    monkeypatch.setattr(triton_ops, "TRITON_OPS", ops)
-    monkeypatch.setattr(tf, "silu_mul", broken)
-    monkeypatch.setenv(IMPLEMENTATION_ENV, "triton")
-    gate_up = torch.randn(3, 256)
-    hidden, weight = torch.randn(3, 64), torch.randn(64)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert torch.equal(ops.silu_mul(gate_up), fused.silu_mul(gate_up))
-        assert torch.equal(ops.silu_mul(gate_up), fused.silu_mul(gate_up))
-        assert torch.equal(ops.rms_norm(hidden, weight, EPS), fused.rms_norm(hidden, weight, EPS))
-    runtime = [w for w in caught if issubclass(w.category, RuntimeWarning)]
-    assert len(runtime) == 1 and "RuntimeError: PTX assembly failed" in str(runtime[0].message)
-    assert ops.failed
-    assert fused.fused_ops(torch.device("cpu"), torch.float16) is fused.EAGER_OPS
-    assert fused.fused_ops(torch.device("cuda"), torch.bfloat16) is fused.EAGER_OPS
-
-
-def test_fused_ops_picks_triton_on_cuda_and_for_forced_cpu_tensors(monkeypatch):
-    import sys
-
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.delenv(IMPLEMENTATION_ENV, raising=False)
-    monkeypatch.setenv(fused.COMPILE_ENV, "auto")
-    assert not TRITON_OPS.failed
-    assert fused.fused_ops(cuda, torch.bfloat16) is TRITON_OPS
-    assert fused.fused_ops(cpu, torch.float32) is fused.COMPILED_OPS  # the CPU as before
-    assert fused.fused_ops(cpu, torch.float16) is fused.EAGER_OPS
-    monkeypatch.setenv(IMPLEMENTATION_ENV, "triton")  # the interpreter runs the kernels
-    for dtype in DTYPES:
-        assert fused.fused_ops(cpu, dtype) is TRITON_OPS
-    monkeypatch.setenv(fused.COMPILE_ENV, "on")
-    assert fused.fused_ops(cuda, torch.float16) is TRITON_OPS
-    monkeypatch.setenv(fused.COMPILE_ENV, "off")
-    assert fused.fused_ops(cuda, torch.float16) is fused.EAGER_OPS
-    assert fused.fused_ops(cpu, torch.float32) is fused.EAGER_OPS
-    monkeypatch.setenv(fused.COMPILE_ENV, "auto")
-    monkeypatch.setattr(tf, "_INTERPRETED", False)  # compiled Triton: CPU tensors can't run
-    assert fused.fused_ops(cpu, torch.float32) is fused.COMPILED_OPS
-    monkeypatch.setitem(sys.modules, "llm_operator.models.triton_ops", None)  # no Triton
-    assert fused.fused_ops(cuda, torch.bfloat16) is fused.EAGER_OPS
-    assert fused.fused_ops(cpu, torch.float32) is fused.COMPILED_OPS
-
-
 def test_qkv_rope_store_into_strided_cache_views_and_its_eager_fallback():
     heads = (4, 2, 16)
     qkv, cos, sin, norms = rope_inputs(4, heads, torch.float32, seed=2)
@@ -138,14 +87,12 @@ def test_qkv_rope_store_into_strided_cache_views_and_its_eager_fallback():
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_engine_with_triton_ops_matches_hf_generate(family, monkeypatch, request):
-    """The native engine's CUDA path on the CPU (LLM_OPERATOR_KERNELS=triton: attention and
-    the elementwise regions as Triton kernels under the interpreter), fp32, greedy: HF
-    generate's tokens, with every region through a kernel."""
+    """The native engine's CUDA path on the CPU (kernels="triton": attention and the
+    elementwise regions as Triton kernels under the interpreter, K/V stored by the RoPE
+    launch), fp32, greedy: HF generate's tokens, with every region through a kernel."""
     assert family in NATIVE_FAMILIES
     model_dir = request.getfixturevalue(f"tiny_{family}_dir")
-    monkeypatch.setenv(IMPLEMENTATION_ENV, "triton")
-    assert fused.fused_ops(torch.device("cpu"), torch.float32) is TRITON_OPS
-    calls = dict.fromkeys(("rms_norm", "add_rms_norm", "qkv_rope", "silu_mul"), 0)
+    calls = dict.fromkeys(("rms_norm", "add_rms_norm", "qkv_rope_store", "silu_mul"), 0)
     for name in calls:
         function = getattr(tf, name)
 
@@ -155,11 +102,13 @@ def test_engine_with_triton_ops_matches_hf_generate(family, monkeypatch, request
 
         monkeypatch.setattr(tf, name, counting)
     prompts = three_level_prompts()[:4]
-    op = LLMOperator(model_dir, backend="native", kv_block_size=4, prefill_batch_tokens=48)
+    op = LLMOperator(
+        model_dir, backend="native", kernels="triton", kv_block_size=4, prefill_batch_tokens=48
+    )
     results = op.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
     assert_matches_hf(op, model_dir, prompts, results, 3, ignore_eos=True)
     assert all(count > 0 for count in calls.values()), calls
-    assert not TRITON_OPS.failed
+    assert op.backend().paths.fused_store
 
 
 # The eager regions' elementwise ops (each a kernel launch on a GPU but for no-op casts).
@@ -225,152 +174,35 @@ def test_a_decode_layer_dispatches_fewer_ops_with_triton_ops(family, monkeypatch
 # ---------------------------------------------------------------- the self-check
 
 
-@pytest.fixture
-def checked_cpu(monkeypatch, tmp_path):
-    """Proofs on, verdicts in tmp_path, CPU tensors treated as CUDA ones (they default to
-    the Triton kernels, so the engine checks them), nothing forced, compile mode auto."""
-    from llm_operator import kernels
-    from llm_operator.kernels import artifact_proof
-
-    monkeypatch.delenv(artifact_proof.PROVE_ENV, raising=False)
-    monkeypatch.delenv(IMPLEMENTATION_ENV, raising=False)
-    monkeypatch.setenv(fused.COMPILE_ENV, "auto")
-    monkeypatch.setenv("LLM_OPERATOR_CACHE", str(tmp_path))
-    monkeypatch.setattr(artifact_proof, "_verdicts", {})
-    monkeypatch.setattr(kernels, "_TRITON_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(kernels, "_check_results", {})
-    monkeypatch.setattr(kernels, "_fallback_devices", set())
-    return monkeypatch
-
-
-TINY_SIZES = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "hidden_size": 64,
-              "intermediate_size": 128}  # fmt: skip
-
-
-def test_a_fused_check_that_crashes_in_its_child_sends_the_device_to_eager(checked_cpu, tmp_path):
-    """The check's child segfaults: one RuntimeWarning, the check never runs here, every
-    region on that device runs eagerly (no kernel is called), other devices keep them."""
-    from llm_operator.kernels import self_check_fused, triton_proof
-
-    in_process = []
-    checked_cpu.setattr(
-        self_check_fused, "check_triton_fused", lambda *a, **k: in_process.append(a)
-    )
-    checked_cpu.setattr(triton_proof, "FUSED_PROBE", "proof_probes:segfaults")
-    ops = TritonOps()
-    with pytest.warns(RuntimeWarning) as record:
-        reason = ops.ensure_checked("cpu", torch.float32, **TINY_SIZES)
-    assert len(record) == 1 and reason.startswith("it failed in a child process: killed by")
-    message = str(record[0].message)
-    assert "elementwise kernels failed their self-check on cpu (float32)" in message
-    assert "killed by SIGSEGV" in message and "run eagerly" in message
-    assert in_process == [] and ops.failed_on(torch.device("cpu")) and not ops.failed
-    assert not ops.failed_on(torch.device("cuda", 0))
-    assert list((tmp_path / "proofs").glob("Triton-fused-self-check.*.proof.json"))
-
-    def must_not_run(*args):
-        raise AssertionError("a Triton kernel ran on a device that failed its self-check")
-
-    for name in ("rms_norm", "add_rms_norm", "qkv_rope", "qkv_rope_store", "silu_mul"):
-        checked_cpu.setattr(tf, name, must_not_run)
-    generator = torch.Generator().manual_seed(7)
-    hidden, weight, gate_up = (
-        randn(generator, 3, 64),
-        randn(generator, 64),
-        randn(generator, 3, 256),
-    )
-    qkv, cos, sin, norms = rope_inputs(3, (4, 2, 16), torch.float32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no further warning: checked once
-        assert ops.ensure_checked(torch.device("cpu"), torch.float32, **TINY_SIZES) == reason
-        assert torch.equal(ops.rms_norm(hidden, weight, EPS), fused.rms_norm(hidden, weight, EPS))
-        for got, want in zip(
-            ops.add_rms_norm(hidden, hidden, weight, EPS),
-            fused.add_rms_norm(hidden, hidden, weight, EPS),
-        ):
-            assert torch.equal(got, want)
-        for got, want in zip(
-            ops.qkv_rope(qkv, cos, sin, *norms, EPS, 4, 2, 16),
-            fused.qkv_rope(qkv, cos, sin, *norms, EPS, 4, 2, 16),
-        ):
-            assert torch.equal(got, want)
-        assert torch.equal(ops.silu_mul(gate_up), fused.silu_mul(gate_up))
-    assert in_process == []
-    checked_cpu.setattr(triton_ops, "TRITON_OPS", ops)
-    checked_cpu.setenv(IMPLEMENTATION_ENV, "triton")  # would hand the CPU TRITON_OPS
-    assert triton_ops.triton_ops_for(torch.device("cpu")) is None
-    assert fused.fused_ops(torch.device("cpu"), torch.float32) is not ops
-
-
-def test_the_real_fused_probe_passes_in_a_child_then_runs_here(checked_cpu, tmp_path):
-    """The real check in a child (the interpreter there too), then here; no warning."""
+def test_the_engine_checks_the_fused_kernels_with_the_model_sizes(monkeypatch, tiny_qwen3_dir):
+    """At engine start, after the attention check and apart from it: a failure of the
+    elementwise kernels warns once and leaves the regions eager, the attention on Triton;
+    every row completes."""
     import json
 
+    from llm_operator.engine import factory
     from llm_operator.kernels import self_check_fused
 
-    calls = []
-    check = self_check_fused.check_triton_fused
-    checked_cpu.setattr(
-        self_check_fused, "check_triton_fused", lambda *a, **k: calls.append(a) or check(*a, **k)
-    )
-    ops = TritonOps()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert ops.ensure_checked("cpu", torch.bfloat16, **TINY_SIZES) is None
-    assert len(calls) == 1 and not ops.failed_on(torch.device("cpu"))  # here, after the child
-    (verdict,) = (tmp_path / "proofs").glob("Triton-fused-self-check.*.proof.json")
-    stored = json.loads(verdict.read_text())
-    assert stored["passed"] is True
-    assert stored["key"]["arguments"]["reference"] == triton_ops.REFERENCE
-    assert stored["key"]["arguments"]["hidden_size"] == 64
-
-
-def test_no_check_where_the_kernels_do_not_run_unforced(checked_cpu):
-    from llm_operator import kernels
-    from llm_operator.kernels import triton_proof
-
-    def must_not_run(*args, **kwargs):
-        raise AssertionError("checked where no check applies")
-
-    checked_cpu.setattr(triton_proof, "proven_check_triton_fused", must_not_run)
-    ops = TritonOps()
-    checked_cpu.setenv(IMPLEMENTATION_ENV, "triton")  # forced: unchecked
-    assert ops.ensure_checked("cpu", torch.float32, **TINY_SIZES) is None
-    checked_cpu.delenv(IMPLEMENTATION_ENV)
-    checked_cpu.setenv(fused.COMPILE_ENV, "off")  # no TritonOps at all
-    assert ops.ensure_checked("cpu", torch.float32, **TINY_SIZES) is None
-    checked_cpu.setenv(fused.COMPILE_ENV, "auto")
-    checked_cpu.setattr(kernels, "_TRITON_DEVICE_TYPES", ("cuda",))  # the CPU, as it is
-    assert ops.ensure_checked("cpu", torch.float32, **TINY_SIZES) is None
-
-
-def test_the_engine_checks_the_fused_kernels_with_the_model_sizes(checked_cpu, tiny_qwen3_dir):
-    """At engine start, beside the attention check and apart from it: each failure warns
-    once and falls back on its own; every row completes."""
-    import json
-
-    from llm_operator.kernels import self_check, triton_proof
-
-    checked_cpu.setenv("LLM_OPERATOR_PROVE", "off")  # the fakes run here
-    checked_cpu.setattr(self_check, "check_triton", lambda *a, **k: "attention is off")
     calls = []
 
     def fused_check(device, dtype, reference, **sizes):
         calls.append((device, dtype, reference, sizes))
         return "silu_mul: activated is 9 ulp off (at most 4)"
 
-    checked_cpu.setattr(triton_proof, "proven_check_triton_fused", fused_check)
-    checked_cpu.setattr(triton_ops, "TRITON_OPS", TritonOps())
-    op = LLMOperator(tiny_qwen3_dir, backend="native", device="cpu")
-    with pytest.warns(RuntimeWarning) as record:
-        results = op.generate(["Summarize the review."], SamplingParams(max_tokens=3))
+    monkeypatch.setattr(self_check_fused, "check_triton_fused", fused_check)
+    factory._triton_fused_failure.cache_clear()
+    try:
+        op = LLMOperator(tiny_qwen3_dir, backend="native", device="cpu", kernels="triton")
+        with pytest.warns(RuntimeWarning) as record:
+            results = op.generate(["Summarize the review."], SamplingParams(max_tokens=3))
+    finally:
+        factory._triton_fused_failure.cache_clear()
     messages = [str(w.message) for w in record if "self-check" in str(w.message)]
-    assert len(messages) == 2, messages
-    assert "Triton attention kernels" in messages[0] and "attention is off" in messages[0]
-    assert "elementwise kernels" in messages[1] and "9 ulp off" in messages[1]
+    assert len(messages) == 1 and "elementwise kernels" in messages[0], messages
+    assert "9 ulp off" in messages[0]
     config = json.loads((tiny_qwen3_dir / "config.json").read_text())
     ((device, dtype, reference, sizes),) = calls
-    assert (device, dtype, reference) == (torch.device("cpu"), torch.float32, triton_ops.REFERENCE)
+    assert (device, dtype, reference) == (torch.device("cpu"), torch.float32, fused.EAGER_OPS)
     assert sizes == {
         "num_heads": config["num_attention_heads"],
         "num_kv_heads": config["num_key_value_heads"],
@@ -378,7 +210,7 @@ def test_the_engine_checks_the_fused_kernels_with_the_model_sizes(checked_cpu, t
         "hidden_size": config["hidden_size"],
         "intermediate_size": config["intermediate_size"],
         "eps": config["rms_norm_eps"],
-        "identity": sizes["identity"],
     }
-    assert triton_ops.TRITON_OPS.failed_on(torch.device("cpu"))
+    paths = op.backend().paths
+    assert (paths.attention, paths.elementwise, paths.fused_store) == ("triton", "eager", False)
     assert results[0].error is None and results[0].completion_tokens > 0

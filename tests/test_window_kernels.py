@@ -1,4 +1,4 @@
-"""Sliding-window attention in every kernel against a dense reference (issue 32).
+"""Sliding-window attention in every kernel against a dense reference .
 
 A step of three requests over a paged cache: two share segment A (and one of them a
 deeper segment B), one has no shared prefix; rows are a prefill chunk, a decode row and a
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from llm_operator import kernels
-from llm_operator.kernels import cpu_extension, cpu_ops, metadata
+from llm_operator.kernels import cpu_extension, cpu_ops, layout
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 
@@ -63,23 +63,17 @@ def _scenario(block_size: int, window: int, seed: int = 0, dtype=torch.float32, 
         scores = torch.einsum("hd,nhd->hn", q[row].double(), keys) * scale
         expected[row] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values)
     shape = {"block_size": block_size, "num_blocks": num_blocks}
-    own = metadata.own_batch(starts, own_tables, [o for _, o, _ in requests], **shape)
+    own = layout.own_batch(starts, own_tables, [o for _, o, _ in requests], **shape)
     rows_of = [list(range(starts[i], starts[i + 1])) for i in range(3)]
     levels = [
-        metadata.prefix_batch(
+        layout.prefix_batch(
             [rows_of[0] + rows_of[1]], [blocks_a], [seg_a], num_rows=starts[-1], **shape
         ),  # fmt: skip
-        metadata.prefix_batch([rows_of[0]], [blocks_b], [seg_b], num_rows=starts[-1], **shape),
+        layout.prefix_batch([rows_of[0]], [blocks_b], [seg_b], num_rows=starts[-1], **shape),
     ]
-    chain = metadata.chain_batch(
-        [rows_of[0], rows_of[1]],
-        [[(blocks_a, seg_a), (blocks_b, seg_b)], [(blocks_a, seg_a)]],
-        num_rows=starts[-1],
-        **shape,
-    )
     return {
         "q": q, "k": k, "v": v, "expected": expected, "own": own, "levels": levels,
-        "chain": chain, "positions": np.array(positions), "level_starts": [[0], [seg_a]],
+        "positions": np.array(positions), "level_starts": [[0], [seg_a]],
         "scale": scale,
     }  # fmt: skip
 
@@ -89,31 +83,25 @@ WINDOWS = [5, 16, 40, 64]
 
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_torch_window_levels_and_chains(window, block_size):
+def test_torch_window_levels(window, block_size):
     case = _scenario(block_size, window)
-    own, levels = metadata.windowed(
+    own, levels = layout.windowed(
         case["own"], case["levels"], case["positions"], case["level_starts"], window
     )
     step = kernels.AttentionStep("torch", own, levels, torch.zeros(0, dtype=torch.long))
-    out = step.attend(case["q"], case["k"], case["v"], case["scale"])
-    torch.testing.assert_close(out.double(), case["expected"], atol=1e-5, rtol=1e-5)
-    own, chains = metadata.windowed(
-        case["own"], [case["chain"]], case["positions"], [[0, 0]], window
-    )
-    step = kernels.AttentionStep("torch", own, chains, torch.zeros(0, dtype=torch.long))
     out = step.attend(case["q"], case["k"], case["v"], case["scale"])
     torch.testing.assert_close(out.double(), case["expected"], atol=1e-5, rtol=1e-5)
 
 
 def test_window_drops_rows_outside_it():
     case = _scenario(16, 5)
-    _, levels = metadata.windowed(
+    _, levels = layout.windowed(
         case["own"], case["levels"], case["positions"], case["level_starts"], 5
     )
     # window 5: every row's window lies within its own tokens (the decode row of request 1
     # has 18 own tokens before it, the chunk of request 0 at least 23)
     assert [len(level.host_rows) for level in levels] == [0, 0]
-    _, kept = metadata.windowed(
+    _, kept = layout.windowed(
         case["own"], case["levels"], case["positions"], case["level_starts"], 5, drop=False
     )
     assert [len(level.host_rows) for level in kept] == [8, 7]
@@ -132,7 +120,7 @@ def _cpu_module():
 def test_cpp_window(window, block_size, dtype):
     _cpu_module()
     case = _scenario(block_size, window, dtype=dtype)
-    own, levels = metadata.windowed(
+    own, levels = layout.windowed(
         case["own"], case["levels"], case["positions"], case["level_starts"], window
     )
     k, v = cpu_ops.to_cpu_layout(case["k"], case["v"])
@@ -153,28 +141,32 @@ def test_cpp_window_invariant(window, block_size):
     beside the others."""
     _cpu_module()
     case = _scenario(block_size, window, segments=(2 * block_size, block_size))
-    own, levels = metadata.windowed(
+    own, levels = layout.windowed(
         case["own"], case["levels"], case["positions"], case["level_starts"], window, drop=False
     )
     k, v = cpu_ops.to_cpu_layout(case["k"], case["v"])
-    step = kernels.AttentionStep("cpp", own, levels, torch.zeros(0, dtype=torch.long), True)
+    step = kernels.AttentionStep(
+        "cpp", own, levels, torch.zeros(0, dtype=torch.long), invariant=True
+    )
     assert step.split_keys == -1
     out = step.attend(case["q"], k, v, case["scale"])
     torch.testing.assert_close(out.double(), case["expected"], atol=1e-5, rtol=1e-5)
     # the decode row of request 1 (row 7) alone: its own batch and its one segment
-    alone_own = metadata.own_batch(
+    alone_own = layout.own_batch(
         [0, 1], [case["own"].block_tables[1].tolist()], [case["own"].host_context_lens[1]],
         block_size=block_size, num_blocks=case["own"].num_blocks,
     )  # fmt: skip
     level = case["levels"][0]
-    alone_level = metadata.prefix_batch(
+    alone_level = layout.prefix_batch(
         [[0]], [level.block_tables[0].tolist()], [level.host_lengths[0]], num_rows=1,
         block_size=block_size, num_blocks=level.num_blocks,
     )  # fmt: skip
-    own1, levels1 = metadata.windowed(
+    own1, levels1 = layout.windowed(
         alone_own, [alone_level], case["positions"][7:8], [[0]], window, drop=False
     )
-    alone = kernels.AttentionStep("cpp", own1, levels1, torch.zeros(0, dtype=torch.long), True)
+    alone = kernels.AttentionStep(
+        "cpp", own1, levels1, torch.zeros(0, dtype=torch.long), invariant=True
+    )
     single = alone.attend(case["q"][7:8].contiguous(), k, v, case["scale"])
     assert torch.equal(single[0], out[7])
 
@@ -195,7 +187,7 @@ def test_triton_window(window, block_size, drop):
     rows kept in segments their window misses wholly (drop=False: out 0, lse -inf there)."""
     triton_attention = _triton()
     case = _scenario(block_size, window)
-    own, levels = metadata.windowed(
+    own, levels = layout.windowed(
         case["own"], case["levels"], case["positions"], case["level_starts"], window, drop=drop
     )
     step = kernels.AttentionStep("triton", own, levels, torch.zeros(0, dtype=torch.long))

@@ -1,13 +1,14 @@
 """The ``llm-operator`` command line.
 
-- ``main``: the commands (``run``, ``plan``, ``bench``, ``demo``, ...) and their options,
-  derived from the option table (``llm_operator.options``);
+- ``main``: the commands (``run``, ``plan``, ``demo``) and their options, derived from
+  the option table (``llm_operator.options``), and the commands other installed packages
+  add through entry points of group ``llm_operator.commands`` (the benchmarks' ``bench``,
+  never imported by the library);
 - ``tables``: reading and writing Parquet, CSV and JSONL tables;
 - ``checkpoint``: resumable runs (finished chunks written atomically);
-- ``engines``: running a list of prompts locally, on Spark or on Dask.
-
-``llm-operator bench`` and ``llm-operator demo`` run ``llm_operator_bench``, installed
-beside the library but never imported by it.
+- ``engines``: running a list of prompts locally, on Spark or on Dask;
+- ``demo`` and ``demo_data``: ``llm-operator demo`` (``make demo``), the bundled reviews and
+  tickets classified with SmolLM2.
 """
 
 from llm_operator.cli.main import build_parser, main

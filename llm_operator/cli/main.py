@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import sys
@@ -13,9 +14,13 @@ from typing import Any, NamedTuple
 from llm_operator import options as option_table
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+COMMAND_GROUP = "llm_operator.commands"
+"""The entry-point group of extra commands: each names a function ``add(commands)`` that adds
+its parsers to the subparsers ``commands``, each with ``set_defaults(command_handler=f)``,
+``f(args) -> exit status`` (the benchmarks, installed beside, add ``bench``)."""
 
 
-def _add_model_option(parser: argparse.ArgumentParser) -> None:
+def add_model_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,
@@ -97,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="a column holding each row's JSON schema (JSON text, or an object in JSONL)",
     )
-    _add_model_option(run)
+    add_model_option(run)
     option_table.add_arguments(run)
 
     plan_help = (
@@ -106,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan = commands.add_parser("plan", help=plan_help, description=plan_help)
     _add_prompt_source(plan)
-    _add_model_option(plan)
+    add_model_option(plan)
     plan.add_argument("--json", action="store_true", help="print the statistics as JSON")
     cost = plan.add_argument_group(
         "cost estimate (what `run` with these options would take, on this machine)"
@@ -141,10 +146,62 @@ def build_parser() -> argparse.ArgumentParser:
     )
     option_table.add_arguments(plan)
 
-    from llm_operator_bench.cli import add_commands
-
-    add_commands(commands, _add_model_option)
+    _add_installed_commands(commands)  # bench, from the benchmarks when installed
+    _add_demo_command(commands)
     return parser
+
+
+def _add_demo_command(commands) -> None:
+    demo = commands.add_parser("demo", help="classify the bundled reviews and tickets with SmolLM2")
+    add_model_option(demo)
+    demo.add_argument("--limit", type=int, help="only the first N rows")
+    demo.add_argument("--output", type=Path, default=Path("demo-results/demo.jsonl"))
+    demo.add_argument(
+        "--compare-static", action="store_true", help="also run plain HF generate on fixed batches"
+    )
+    demo.add_argument(
+        "--engine",
+        default="spark",
+        choices=["local", "spark", "dask"],
+        help="where the job runs (default: Spark in local mode)",
+    )
+    demo.add_argument("--partitions", type=int, default=2, help="partitions for spark and dask")
+    demo.add_argument(
+        "--compare-engines",
+        action="store_true",
+        help="also run the rows through local, spark and dask side by side",
+    )
+    demo.add_argument(
+        "--compare-free",
+        action="store_true",
+        help="also generate freely (no choices, up to a newline) and compare the labels",
+    )
+    option_table.add_arguments(demo, ["engine"])
+
+
+def _add_installed_commands(commands) -> None:
+    """The commands of the entry points of group COMMAND_GROUP, each name once; one that
+    fails to load is left out with a warning. Every copy of a distribution's metadata is
+    read: ``entry_points()`` keeps only the first one on sys.path, which from a source
+    checkout can be a stale ``*.egg-info`` there rather than the installed one."""
+    seen = set()
+    points = (
+        point
+        for distribution in importlib.metadata.distributions()
+        for point in distribution.entry_points.select(group=COMMAND_GROUP)
+    )
+    for point in points:
+        if point.name in seen:
+            continue
+        seen.add(point.name)
+        try:
+            add = point.load()
+        except (ImportError, AttributeError) as error:
+            logging.getLogger(__name__).warning(
+                "command %r (%s) not loaded: %s", point.name, point.value, error
+            )
+            continue
+        add(commands)
 
 
 def _executors_option(text: str) -> int:
@@ -333,6 +390,7 @@ class Computed(NamedTuple):
     output_tokens: int
     generate_seconds: float
     server: tuple[int, int, int] = (0, 0, 0)  # a model server's prompt, cached, output tokens
+    engine_paths: str = ""  # how the engine ran its steps (native: EnginePaths.describe)
 
 
 def summary(results: list, seconds: float, engine: str, computed: Computed | None) -> str:
@@ -363,6 +421,8 @@ def summary(results: list, seconds: float, engine: str, computed: Computed | Non
             f"; model server: {sent:,} prompt tokens, {cached:,} from its prefix cache "
             f"({cached / sent:.1%}), {generated:,} generated"
         )
+    if computed is not None and computed.engine_paths:
+        line += f"; engine: {computed.engine_paths}"
     return line
 
 
@@ -375,7 +435,11 @@ def _computed(stats) -> Computed | None:
         stats.server_completion_tokens,
     )
     return Computed(
-        stats.prefill_tokens_computed, stats.output_tokens, stats.generate_seconds, server
+        stats.prefill_tokens_computed,
+        stats.output_tokens,
+        stats.generate_seconds,
+        server,
+        stats.engine_paths,
     )
 
 
@@ -552,15 +616,30 @@ def _example_prompt(op, prompts: list) -> tuple[int, str] | None:
     return None
 
 
+def command_demo(args) -> int:
+    from llm_operator.cli.demo import run_demo
+
+    return run_demo(
+        model=args.model,
+        limit=args.limit,
+        output=args.output,
+        compare_static=args.compare_static,
+        engine=args.engine,
+        partitions=args.partitions,
+        compare_engines=args.compare_engines,
+        compare_free=args.compare_free,
+        options=option_table.from_arguments(args, ["engine"]),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    from llm_operator_bench.cli import COMMANDS
-
-    handlers = {"run": command_run, "plan": command_plan, **COMMANDS}
+    handlers = {"run": command_run, "plan": command_plan, "demo": command_demo}
+    handler = getattr(args, "command_handler", None) or handlers[args.command]
     started = time.perf_counter()
     try:
-        return handlers[args.command](args)
+        return handler(args)
     except (ValueError, TypeError, FileNotFoundError) as error:
         print(f"llm-operator {args.command}: error: {error}", file=sys.stderr)
         return 2

@@ -1,21 +1,18 @@
 """The backend contract: what a backend offers and what a run of a plan returns.
 
 A backend (``hf``, ``native``, ``vllm``) is a step runner: ``backend.start(run)`` gives its
-``Steps`` for one run, and ``engine.run.run_plan`` calls ``steps.step()`` until it returns
-False, then ``steps.close()``. One ``RequestOutput`` per planned request, indexed by
-``request_id``; the ``Run`` of ``engine.run`` collects them (the backends step, the run
-records).
+``Steps`` for one run (both protocols live in ``engine.run``, beside ``Run``), and
+``engine.run.run_plan`` calls ``steps.step()`` until it returns False, then
+``steps.close()``. One ``RequestOutput`` per planned request, indexed by ``request_id``;
+the ``Run`` of ``engine.run`` collects them (the backends step, the run records).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import NamedTuple
 
 from llm_operator.results import FinishReason
-
-if TYPE_CHECKING:
-    from llm_operator.engine.run import Run
 
 
 class RequestOutput(NamedTuple):
@@ -36,21 +33,3 @@ class BackendResult(NamedTuple):
 
 # progress(finished_rows, new_output_tokens): rows are input rows (a merged request counts each)
 ProgressCallback = Callable[[int, int], None]
-
-
-class Steps(Protocol):
-    """A backend's work on one run."""
-
-    def step(self) -> bool:
-        """One iteration; False when there was nothing left to run."""
-        ...
-
-    def close(self) -> None:
-        """Free what the run held (KV pools, in-flight engine requests)."""
-        ...
-
-
-class Backend(Protocol):
-    name: str
-
-    def start(self, run: Run) -> Steps: ...

@@ -28,7 +28,7 @@ row's next step, like a small prefill chunk):
   before a string value, which ``"adults`` could merge with); otherwise the model samples
   that boundary itself. Choices always jump as in ``"tokens"`` (a lone trie child is the
   only allowed token) and to their end. On the extraction job (SmolLM2-135M, 48 rows,
-  ``llm_operator_bench.jump_forward``) it forced 677 of 1,097 output tokens; parsed values
+  ``llm_operator_bench.suites.jump_forward``) it forced 677 of 1,097 output tokens; parsed values
   differed from stepping in 11 rows, so it is not the default.
 - ``"off"``: no jump inside an output (a decided choice and a finished grammar still end
   the row at once).

@@ -1,8 +1,11 @@
-"""Backend construction: which backend runs a model, and building it from an EngineConfig."""
+"""Backend construction: which backend runs a model, building it from an EngineConfig, and
+the native engine's one decision point (``native_paths``: how it runs a step)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import warnings
 
 import torch
 
@@ -28,13 +31,15 @@ def max_context(info: ModelInfo, backend_name: str) -> int:
 def invariant_kernels(config: EngineConfig, backend_name: str) -> bool:
     """Whether a run takes the batch-invariant kernels: ``deterministic`` resolved for the
     backend that runs. None (the default): on for the native engine on a CPU without AMX,
-    where they measured as fast as the fastest-per-shape kernels (issue 30); off on CPUs
-    with AMX (whose oneDNN bf16 GEMMs the packed kernel does not match; not measured) and
-    on GPUs. True with another backend: ValueError."""
+    where they measured as fast as the fastest kernels per shape; off on CPUs with AMX
+    (whose oneDNN bf16 GEMMs the packed kernel does not match; not measured) and on GPUs.
+    True with another backend: ValueError."""
     from llm_operator.config import NOT_INVARIANT
 
     if config.deterministic is False:
         return False
+    if config.deterministic is None and config.kernels not in ("auto", "cpp"):
+        return False  # the torch and Triton kernels are not batch-invariant
     if backend_name != "native":
         if config.deterministic:
             raise ValueError(NOT_INVARIANT.format(backend=backend_name))
@@ -101,36 +106,183 @@ def kv_budget(config: EngineConfig, device: torch.device) -> int:
 
 
 def _native(config: EngineConfig, info: ModelInfo, tokenizer, device, dtype):
-    from llm_operator import kernels
+    import faulthandler
+
     from llm_operator.engine.native.backend import NativeBackend
-    from llm_operator.kernels import artifact_proof
     from llm_operator.models.llama import LlamaModel
 
     if info.native_unsupported is not None:
         raise ValueError(info.native_unsupported)
-    artifact_proof.prove_mode()  # a bad LLM_OPERATOR_PROVE fails here, naming it
-    # Native code (compiled kernels, AOT packages, Triton) runs in this process from here
-    # on: a crash there prints the Python frames to the task's log, not a bare exit.
-    artifact_proof.enable_fault_handler()
+    if not faulthandler.is_enabled():  # a crash in native code prints the Python frames
+        faulthandler.enable(all_threads=True)
     model = LlamaModel.from_pretrained(info.path, device=device, dtype=dtype)
-    heads = model.config  # on CUDA: self-check the Triton kernels (torch path on failure)
-    kernels.ensure_checked(
+    paths = native_paths(config, model, device, dtype)
+    config = config.with_batch_defaults(gpu_memory(device, config.gpu_share))
+    return NativeBackend(model, config, paths, kv_cache_bytes=kv_budget(config, device))
+
+
+ONEDNN_ROWS = 64  # AMX bf16: steps of at least this many rows on oneDNN's linear
+
+
+def native_paths(config: EngineConfig, model, device: torch.device, dtype: torch.dtype):
+    """How the native engine runs ``model`` on ``device`` in ``dtype``: the one decision
+    point (``engine.native.paths.EnginePaths``). Loads and self-checks the kernels it
+    picks (once per process); a kernel family that fails falls back with one warning,
+    but one that ``config.kernels`` names explicitly raises RuntimeError instead.
+    ValueError for options this device or model cannot run (``cuda_graphs="on"`` without
+    the Triton kernels, ``kernels="cpp"`` off the CPU)."""
+    from llm_operator.engine.native.paths import EnginePaths
+    from llm_operator.kernels import cpu_extension, cpu_ops
+    from llm_operator.models import cpu_decoder
+
+    c = model.config
+    forced = config.kernels if config.kernels != "auto" else None
+    fallbacks: list[str] = []
+    if forced:
+        attention = forced
+    elif device.type == "cuda":
+        attention = "triton"
+    else:
+        attention = "cpp" if device.type == "cpu" and dtype in cpu_ops.CPU_DTYPES else "torch"
+    if attention == "cpp":
+        if device.type != "cpu" or dtype not in cpu_ops.CPU_DTYPES:
+            raise ValueError(
+                f"kernels='cpp' runs fp32 and bf16 on the CPU, not {dtype} on {device}"
+            )
+        if cpu_extension.load() is None:
+            reason = f"compiled CPU kernels unavailable: {cpu_extension.failure()}"
+            if forced:
+                raise RuntimeError(f"kernels='cpp' but the {reason}")
+            attention = "torch"
+            fallbacks.append(reason)
+    windowed = c.sliding_window is not None
+    if attention == "triton":
+        reason = _triton_failure(device, dtype, c.num_heads, c.num_kv_heads, c.head_dim, windowed)
+        if reason is not None:
+            if forced:
+                raise RuntimeError(f"kernels='triton' but the kernels failed: {reason}")
+            attention = "torch"
+            fallbacks.append(f"Triton attention failed its self-check: {reason}")
+    if c.attn_softcap is not None and attention != "torch":
+        fallbacks.append(f"soft-capped attention runs on the torch kernels, not {attention!r}")
+        attention = "torch"
+    elementwise = "eager"
+    if attention == "triton":
+        reason = _triton_fused_failure(device, dtype, c)
+        if reason is None:
+            elementwise = "triton"
+        else:
+            fallbacks.append(f"Triton elementwise kernels failed their self-check: {reason}")
+    invariant = invariant_kernels(config, "native")
+    gemm = "packed" if attention == "cpp" else "aten"
+    if invariant and attention != "cpp":
+        invariant = False
+        if config.deterministic:  # asked for: say where it cannot hold (the run goes on)
+            warnings.warn(
+                f"llm_operator: deterministic=True makes outputs batch-invariant with the "
+                f"compiled CPU kernels only, but {device} runs the {attention!r} attention "
+                "kernels: a row's tokens may still depend on its batch",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    onednn_rows = None
+    if gemm == "packed" and dtype == torch.bfloat16 and not invariant and _has_amx():
+        onednn_rows = ONEDNN_ROWS
+    forward = "eager"
+    if gemm == "packed" and cpu_decoder.unsupported(model) is None:
+        forward = "compiled"
+    return EnginePaths(
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        attention=attention,
+        forward=forward,
+        elementwise=elementwise,
+        gemm=gemm,
+        onednn_rows=onednn_rows,
+        graphs=_graphs(config, c, attention, device),
+        overlap=config.overlap == "on" or (config.overlap == "auto" and device.type == "cuda"),
+        invariant=invariant,
+        profile_ops=config.profile_ops,
+        fallbacks=tuple(fallbacks),
+    )
+
+
+def _graphs(config: EngineConfig, model_config, attention: str, device: torch.device) -> str:
+    """``cuda_graphs`` resolved: "capture" on CUDA with the Triton kernels ("auto" or
+    "on"), "replay" for "on" under the Triton interpreter (a test of the graph path),
+    else "off"; never with op profiling. ValueError for "on" where graphs cannot run."""
+    mode = config.cuda_graphs
+    if mode == "off" or config.profile_ops:
+        return "off"
+    why_not = None
+    if model_config.sliding_window is not None or model_config.attn_softcap is not None:
+        why_not = (
+            "decode graphs do not run sliding-window or soft-capped attention yet "
+            f"(model_type={model_config.model_type!r})"
+        )
+    elif attention != "triton":
+        why_not = (
+            f"it needs the Triton kernels (a CUDA device; or, for tests, kernels='triton' "
+            f"with TRITON_INTERPRET=1), but {device} runs the {attention!r} kernels"
+        )
+    if why_not is not None:
+        if mode == "on":
+            raise ValueError(f"cuda_graphs='on': {why_not}; use cuda_graphs='auto' or 'off'")
+        return "off"
+    return "capture" if device.type == "cuda" else "replay" if mode == "on" else "off"
+
+
+@functools.cache
+def _triton_failure(device, dtype, num_heads, num_kv_heads, head_dim, windowed) -> str | None:
+    """The Triton attention kernels' self-check, once per process and shape (None: passed);
+    a failure warns once."""
+    from llm_operator.kernels import self_check
+
+    reason = self_check.check_triton(
         device,
         dtype,
-        num_heads=heads.num_heads,
-        num_kv_heads=heads.num_kv_heads,
-        head_dim=heads.head_dim,
-        windowed=heads.sliding_window is not None,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        windowed=windowed,
     )
-    if kernels.triton_device(device):  # and the elementwise regions' kernels (eager on failure)
-        try:
-            from llm_operator.models import triton_ops
-        except ImportError:
-            triton_ops = None  # no Triton: the regions run eagerly there anyway
-        if triton_ops is not None:
-            triton_ops.ensure_checked(device, dtype, model.config)
-    config = config.with_batch_defaults(gpu_memory(device, config.gpu_share))
-    return NativeBackend(model, config, kv_cache_bytes=kv_budget(config, device))
+    if reason is not None:
+        _warn_fallback("Triton attention kernels", device, dtype, reason)
+    return reason
+
+
+@functools.cache
+def _triton_fused_failure(device, dtype, model_config) -> str | None:
+    """The Triton elementwise kernels' self-check against the eager regions, once per
+    process and model shape (None: passed); a failure warns once."""
+    from llm_operator.kernels import self_check_fused
+    from llm_operator.models.fused import EAGER_OPS
+
+    c = model_config
+    reason = self_check_fused.check_triton_fused(
+        device,
+        dtype,
+        EAGER_OPS,
+        num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        eps=c.rms_norm_eps,
+    )
+    if reason is not None:
+        _warn_fallback("Triton elementwise kernels", device, dtype, reason)
+    return reason
+
+
+def _warn_fallback(what: str, device, dtype, reason: str) -> None:
+    warnings.warn(
+        f"llm_operator: the {what} failed their self-check on {device} "
+        f"({str(dtype).removeprefix('torch.')}): {reason}. The native engine runs their "
+        "torch reference instead (correct, slower).",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def gpu_memory(device: torch.device, share: float | None = None) -> int | None:

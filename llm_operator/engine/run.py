@@ -18,14 +18,33 @@ from __future__ import annotations
 import gc
 from collections import Counter
 from collections.abc import Collection, Sequence
+from typing import Protocol
 
 import torch
 
-from llm_operator.engine.base import Backend, BackendResult, ProgressCallback, RequestOutput
+from llm_operator.engine.base import BackendResult, ProgressCallback, RequestOutput
 from llm_operator.engine.sampler import row_seed, row_step_key, sample_tokens
 from llm_operator.engine.stopping import RowDecoder
 from llm_operator.planner import Plan, PlannedRequest
 from llm_operator.sampling import SamplingParams
+
+
+class Steps(Protocol):
+    """A backend's work on one run."""
+
+    def step(self) -> bool:
+        """One iteration; False when there was nothing left to run."""
+        ...
+
+    def close(self) -> None:
+        """Free what the run held (KV pools, in-flight engine requests)."""
+        ...
+
+
+class Backend(Protocol):
+    name: str
+
+    def start(self, run: Run) -> Steps: ...
 
 
 class Request:

@@ -28,7 +28,7 @@ from typing import Any
 from llm_operator.estimate.cost import FEATURES, CostModel
 from llm_operator.estimate.replay import ScheduleSettings, replay
 
-CALIBRATION_VERSION = 6
+CALIBRATION_VERSION = 7
 JOB_FEATURES = (
     "iterations",
     "tokens",
@@ -150,9 +150,9 @@ def _bytes_per_block(op, backend, block: int) -> int:
 
 def calibration_key(op, backend) -> dict[str, Any]:
     """What a calibration depends on (equal keys: the cached one applies)."""
-    import torch
+    from importlib.metadata import version
 
-    from llm_operator import __version__
+    import torch
 
     config = backend.engine_config  # its batch sizes resolved for the device
     model_path = Path(op.model.path)
@@ -163,7 +163,7 @@ def calibration_key(op, backend) -> dict[str, Any]:
         model_config = ""
     return {
         "version": CALIBRATION_VERSION,
-        "library": __version__,
+        "library": version("llm-operator"),
         "model": str(model_path.resolve()),
         "model_config": model_config,
         "backend": backend.name,
@@ -175,8 +175,8 @@ def calibration_key(op, backend) -> dict[str, Any]:
         "prefill_batch_tokens": config.prefill_batch_tokens,
         "max_batch_size": config.max_batch_size,
         "kv_block_size": config.kv_block_size,
-        # the batch-invariant kernels cost differently (native: the packed GEMM throughout)
-        "invariant": bool(getattr(backend, "invariant", False)),
+        # the native engine's kernels, forward and invariance cost differently
+        "paths": paths.describe() if (paths := getattr(backend, "paths", None)) else "",
         "vllm_options": [list(item) for item in config.vllm_options],
     }
 

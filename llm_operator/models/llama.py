@@ -10,8 +10,9 @@ Numerics follow Hugging Face (RMSNorm in fp32 cast back, rotate_half RoPE with
 cos/sin from fp32, logits in the model dtype then float32). Two changes of layout
 only: q/k/v and gate/up projections are fused into one matmul each at load time.
 The elementwise work between the linear layers (norms, residual adds, q/k/v split,
-RoPE, SiLU(gate) * up) runs as three fused regions per layer, compiled ahead of time by
-inductor unless LLM_OPERATOR_COMPILE=0 (models/fused.py); linears and attention stay eager.
+RoPE, SiLU(gate) * up) runs as three regions per layer (models/fused.py), eagerly or as
+Triton kernels (models/triton_ops.py), as the caller's ``ops`` says; on the CPU the engine
+runs whole steps of Llama-structured models in C++ instead (models/cpu_decoder.py).
 
     family       q/k/v bias  o_proj bias  q/k RMSNorm  sliding window
     llama        config      config       -            -
@@ -44,7 +45,7 @@ from torch import Tensor, nn
 
 from llm_operator.models import fused
 from llm_operator.models.fused import FusedOps
-from llm_operator.models.gemm import DEFAULT_GEMM, GemmChoice, pack_weight
+from llm_operator.models.gemm import ATEN_GEMM, Gemm, pack_weight
 from llm_operator.models.rope import (
     RotaryEmbedding,
     apply_rotary,
@@ -61,10 +62,11 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # attention(layer_index, q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim],
 #           v [T, num_kv_heads, head_dim]) -> [T, num_heads, head_dim]; q, k, v contiguous.
-# It may also have ``cache(layer) -> (k_cache, v_cache, slot_mapping)`` (the reference
-# paged layout) and ``attend(layer, q) -> out``: with elementwise ops that have
-# ``qkv_rope_store`` (Triton), a layer then stores k and v in the same launch as RoPE
-# and calls ``attend`` (engine/native/step_builder.py ``StepAttention``).
+# With ``fused_store=True`` (the Triton regions and kernels) it must also have
+# ``cache(layer) -> (k_cache, v_cache, slot_mapping)`` (the reference paged layout) and
+# ``attend(layer, q) -> out``: a layer then stores k and v in the launch that rotates
+# them (``ops.qkv_rope_store``) and calls ``attend`` (engine/native/step_builder.py
+# ``LayerAttention``).
 AttentionFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
@@ -216,12 +218,12 @@ def _layer_windows(hf_config: Any, model_type: str) -> tuple[int | None, ...]:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` through ``gemm`` (default: the CPU GEMM measured fastest per shape;
-    ``LlamaModel.use_gemm`` sets another); ``packed``: the weight packed for the compiled
-    CPU kernel (``LlamaModel.pack_weights``)."""
+    """``nn.Linear`` through ``gemm`` (default ``F.linear``; ``LlamaModel.use_gemm`` sets the
+    engine's); ``packed``: the weight packed for the compiled CPU kernel
+    (``LlamaModel.pack_weights``)."""
 
     packed: Tensor | None = None
-    gemm: GemmChoice = DEFAULT_GEMM
+    gemm: Gemm = ATEN_GEMM
 
     def forward(self, x: Tensor) -> Tensor:
         return self.gemm(x, self.weight, self.bias, self.packed)
@@ -306,11 +308,12 @@ class DecoderLayer(nn.Module):
         sin: Tensor,
         attention: AttentionFn,
         ops: FusedOps = fused.EAGER_OPS,
+        fused_store: bool = False,
     ) -> tuple[Tensor, Tensor]:
         """One layer on the residual stream ``hidden + delta`` (``delta`` None: just ``hidden``).
 
         hidden, delta: [T, hidden_size]; cos, sin: [T, head_dim]; ``ops``: the elementwise
-        regions (``fused.fused_ops``). Returns (residual stream after the attention block,
+        regions; ``fused_store``: see ``AttentionFn``. Returns (residual stream after the attention block,
         the MLP's output), each [T, hidden_size]: the layer's output is their sum, which
         the caller forms inside its next norm (``ops.add_rms_norm``).
         """
@@ -336,14 +339,12 @@ class DecoderLayer(nn.Module):
             config.num_kv_heads,
             config.head_dim,
         )
-        rope_store = getattr(ops, "qkv_rope_store", None)
-        cache = getattr(attention, "cache", None)
         if config.partial_rotary:  # the fused regions rotate whole heads: eagerly here
             q, k, v = fused.qkv_rope(*rope)
             out = attention(self.layer_index, q, k, v)
-        elif rope_store is not None and cache is not None:
+        elif fused_store:
             # one launch splits qkv, rotates q and k and stores k, v in the paged cache
-            q = rope_store(*rope, *cache(self.layer_index))[0]  # q: [T, heads, dim]
+            q = ops.qkv_rope_store(*rope, *attention.cache(self.layer_index))[0]  # [T, heads, dim]
             out = attention.attend(self.layer_index, q)  # [T, heads, dim]
         else:
             q, k, v = ops.qkv_rope(*rope)  # q: [T, heads, dim]; k, v: [T, kv_heads, dim]
@@ -355,6 +356,10 @@ class DecoderLayer(nn.Module):
         )
         gate_up = self.gate_up_proj(normed)  # [T, 2 * intermediate]
         return hidden, self.down_proj(self._activate(gate_up, ops))
+
+    def projections(self) -> tuple[Linear, Linear, Linear, Linear]:
+        """qkv_proj, o_proj, gate_up_proj, down_proj."""
+        return self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj
 
     def _activate(self, gate_up: Tensor, ops: FusedOps) -> Tensor:
         """gate_up [T, 2 * intermediate] -> act(gate) * up [T, intermediate]."""
@@ -467,10 +472,12 @@ class LlamaModel(nn.Module):
         input_ids: Tensor,
         positions: Tensor,
         attention: AttentionFn,
-        ops: FusedOps | None = None,
+        ops: FusedOps = fused.EAGER_OPS,
+        fused_store: bool = False,
     ) -> Tensor:
         """input_ids, positions: [T] int64 -> final-normed hidden states [T, hidden_size].
-        ``ops``: the elementwise regions (default ``fused.fused_ops`` for the device/dtype)."""
+        ``ops``: the elementwise regions (eager, or ``triton_ops.TRITON_OPS``);
+        ``fused_store``: ``ops.qkv_rope_store`` stores K/V (see ``AttentionFn``)."""
         assert input_ids.shape == positions.shape and input_ids.dim() == 1, (
             f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [T]"
         )
@@ -478,14 +485,12 @@ class LlamaModel(nn.Module):
         hidden = self.embed(input_ids)  # [T, hidden_size]
         cos, sin = self.rotary(positions, hidden.dtype)  # [T, head_dim] each
         local = None if self.local_rotary is None else self.local_rotary(positions, hidden.dtype)
-        if ops is None:
-            ops = fused.fused_ops(hidden.device, hidden.dtype)  # compiled or eager regions
         delta = None  # the last layer's MLP output, added inside the next norm
         for index, layer in enumerate(self.layers):
             if local is not None and config.layer_windows[index] is not None:
-                hidden, delta = layer(hidden, delta, *local, attention, ops)
+                hidden, delta = layer(hidden, delta, *local, attention, ops, fused_store)
             else:
-                hidden, delta = layer(hidden, delta, cos, sin, attention, ops)
+                hidden, delta = layer(hidden, delta, cos, sin, attention, ops, fused_store)
         if delta is None:  # no layers
             return self.norm(hidden)
         if config.gemma:
@@ -515,27 +520,25 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     head_packed: Tensor | None = None
-    gemm: GemmChoice = DEFAULT_GEMM  # the projections' and the head's (``use_gemm``)
+    gemm: Gemm = ATEN_GEMM  # the projections' and the head's (``use_gemm``)
 
-    def use_gemm(self, gemm: GemmChoice) -> None:
-        """Run every projection and the head through ``gemm`` (e.g. ``gemm.INVARIANT_GEMM``)."""
+    def use_gemm(self, gemm: Gemm) -> None:
+        """Run every projection and the head through ``gemm`` (``models.gemm``)."""
         self.gemm = gemm
         for module in self.modules():
             if isinstance(module, Linear):
                 module.gemm = gemm
 
-    def pack_weights(self) -> list[tuple[Tensor, Tensor | None]]:
+    def pack_weights(self) -> bool:
         """Pack every projection and the LM head for the compiled CPU GEMM
-        (``gemm.pack_weight``; None where it cannot run: not on the CPU, another dtype,
-        kernels not loaded). Returns the projections' (weight, packed) pairs, for
-        ``GemmChoice.tune``; the head's is (``head_weight``, ``head_packed``)."""
-        pairs = []
+        (``gemm.pack_weight``); whether all of them could be (not where the kernels cannot
+        run: not on the CPU, another dtype, kernels not loaded)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.packed = pack_weight(module.weight)
-                pairs.append((module.weight, module.packed))
         self.head_packed = pack_weight(self.head_weight)
-        return pairs
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        return self.head_packed is not None and all(m.packed is not None for m in linears)
 
 
 def load_generation_config(model_dir: str | Path):

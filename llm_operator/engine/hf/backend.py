@@ -105,7 +105,7 @@ class _HFSteps:
         self.waiting: deque[PlannedRequest] = deque(run.plan.requests)
         self.slots: list[_Row | None] = []
         self.batch: DenseBatchCache | None = None
-        self.prefixes = PrefixStore(backend, run.plan)
+        self.prefixes = PrefixStore(backend.model, backend.forward, run.plan)
 
     def step(self) -> bool:
         if not (self.waiting or any(self.slots)):

@@ -13,16 +13,13 @@ segment's own tokens), so each shared token is prefilled exactly once.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
 from llm_operator.engine.hf.batch_cache import layers_of
 from llm_operator.engine.segment_pins import SegmentPins
 from llm_operator.planner import Plan, PlannedRequest
-
-if TYPE_CHECKING:
-    from llm_operator.engine.hf.backend import HFBackend
 
 
 def kv_bytes_per_token(model) -> int:
@@ -39,13 +36,15 @@ def kv_bytes_per_token(model) -> int:
 
 
 class PrefixStore(SegmentPins):
-    def __init__(self, backend: HFBackend, plan: Plan) -> None:
+    def __init__(self, model, forward: Callable, plan: Plan) -> None:
+        """model: the HF model (its config sizes the K/V); forward(input_ids, mask,
+        positions, parent K/V) -> (logits, K/V): ``HFBackend.forward``."""
         super().__init__(len(plan.segments), (r.chain for r in plan.requests))
-        self.backend = backend
+        self.forward = forward
         self.plan = plan
         self.entries: dict[int, tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]] = {}
         self.tokens_computed = 0
-        self._bytes_per_token = kv_bytes_per_token(backend.model)
+        self._bytes_per_token = kv_bytes_per_token(model)
 
     def bytes_per_token(self) -> int:
         return self._bytes_per_token
@@ -74,7 +73,7 @@ class PrefixStore(SegmentPins):
         input_ids = torch.tensor([list(segment.token_ids)], dtype=torch.long)
         positions = torch.arange(segment.start, segment.end).unsqueeze(0)
         mask = torch.ones(1, segment.end, dtype=torch.bool)
-        logits, cache = self.backend.forward(input_ids, mask, positions, parent)
+        logits, cache = self.forward(input_ids, mask, positions, parent)
         entry = (layers_of(cache), logits[0])
         self.entries[segment_id] = entry
         self.tokens_computed += len(segment.token_ids)

@@ -6,12 +6,16 @@ One iteration (``_NativeSteps.step``) is three calls, nano-vllm style:
   2. ``model(...)``: one token-packed forward over all chunks; per layer the attention
      stores the new K/V and merges, by log-sum-exp, each row's attention over its own K/V
      (causal) with one batched call per shared segment over all rows that read it;
-     (on a CPU with every projection packed, the compiled decoder runs all layers in one
-     C++ call: ``models.cpu_decoder.CompiledDecoder``);
+     (where ``paths.forward`` is "compiled", the C++ decoder runs all layers in one call:
+     ``models.cpu_decoder.CompiledDecoder``);
   3. sample the rows that reached their last token (``Run.sample``), hand each token to the
      run (``Run.append`` applies the stop rules), then ``finish`` or ``append_token``; a
      constrained row's jump-forward tokens (``Run.jumped``) go in with the sampled token,
      so its next step computes them all as one chunk (a small prefill) and samples once.
+
+How a step runs (kernels, forward, GEMM, graphs, overlap, invariance) is the
+``EnginePaths`` the factory resolved (``engine.factory.native_paths``); nothing here
+chooses again.
 """
 
 from __future__ import annotations
@@ -25,17 +29,17 @@ import torch
 
 from llm_operator import kernels
 from llm_operator.config import EngineConfig
-from llm_operator.engine.factory import invariant_kernels
 from llm_operator.engine.native.block_manager import BlockManager
 from llm_operator.engine.native.decode_graphs import DecodeGraphs
-from llm_operator.engine.native.op_profile import OpProfile, TimedOps, profiling_requested
-from llm_operator.engine.native.overlap import OverlappedSteps, overlap_mode, patch_input_ids
+from llm_operator.engine.native.op_profile import OpProfile, TimedOps
+from llm_operator.engine.native.overlap import OverlappedSteps, patch_input_ids
+from llm_operator.engine.native.paths import EnginePaths
 from llm_operator.engine.native.scheduler import KVSequence, ScheduledChunk, Scheduler
-from llm_operator.engine.native.step_builder import HostStep, StepAttention, StepBatch, StepBuilder
+from llm_operator.engine.native.step_builder import HostStep, LayerAttention, StepBatch, StepBuilder
 from llm_operator.engine.run import Run
-from llm_operator.models import fused
 from llm_operator.models.cpu_decoder import TIMED_KINDS, CompiledDecoder
-from llm_operator.models.gemm import DEFAULT_GEMM, INVARIANT_GEMM
+from llm_operator.models.fused import EAGER_OPS, FusedOps
+from llm_operator.models.gemm import ATEN_GEMM, packed_gemm
 from llm_operator.models.llama import Linear, LlamaModel
 from llm_operator.planner import Plan
 
@@ -45,6 +49,7 @@ class RunProfile:
     """Where one native run's time went (``NativeBackend.last_profile``)."""
 
     num_blocks: int  # KV blocks this run may use
+    paths: str = ""  # how the engine ran its steps (``EnginePaths.describe``)
     schedule: float = 0.0  # seconds scheduling and building each step's batch
     forward: float = 0.0  # seconds in the model (and the output head)
     sample: float = 0.0  # seconds sampling and handing tokens to the run
@@ -56,7 +61,7 @@ class RunProfile:
     """Each iteration's host seconds: scheduling, building its batch and handing the
     sampled tokens over (the model, the head and sampling on the device excluded)."""
     ops: list[dict[str, float]] | None = None
-    """With ``LLM_OPERATOR_PROFILE_OPS=1``: each iteration's seconds by kind of work."""
+    """With ``profile_ops=True``: each iteration's seconds by kind of work."""
     graph_steps: int = 0  # decode steps run through DecodeGraphs (CUDA graphs)
     preemptions: int = 0
     segment_evictions: int = 0
@@ -79,13 +84,15 @@ class NativeBackend:
         self,
         model: LlamaModel,
         engine_config: EngineConfig,
+        paths: EnginePaths,
         *,
         kv_cache_bytes: int,
     ) -> None:
         """engine_config: its ``kv_block_size``, ``prefill_batch_tokens`` (tokens per
         iteration), ``max_batch_size`` (running requests), ``share_prefixes`` and
-        ``token_batching`` apply here. kv_cache_bytes: the KV budget in bytes
-        (``kv_cache_memory`` resolved for the device)."""
+        ``token_batching`` apply here. paths: how steps run (``factory.native_paths``).
+        kv_cache_bytes: the KV budget in bytes (``kv_cache_memory`` resolved for the
+        device)."""
         # batch sizes left to the engine: the CPU's, unless build_backend sized them for a GPU
         self.engine_config = engine_config = engine_config.with_batch_defaults(None)
         self.model = model
@@ -98,24 +105,21 @@ class NativeBackend:
         # (implementation, num_blocks, k caches, v caches): the KV pool, kept across runs
         self._pool: tuple[str, int, list, list] | None = None
         self._graphs: DecodeGraphs | None = None  # of the pool's caches (decode_graphs)
-        self.decoder: CompiledDecoder | None = None
-        # deterministic: batch-invariant GEMMs and attention (the CPU's compiled kernels)
-        self.invariant = invariant_kernels(engine_config, "native")
-        self.gemm = INVARIANT_GEMM if self.invariant else DEFAULT_GEMM
-        if self.device.type == "cpu":  # pack the weights, time each linear shape's GEMMs once
-            max_batched_tokens = engine_config.prefill_batch_tokens
-            self.gemm.tune(model.pack_weights(), max_rows=max_batched_tokens)
-            # the head runs on the sampled rows only: at most one per running request
-            max_sampled = min(max_batched_tokens, engine_config.max_batch_size)
-            self.gemm.tune([(model.head_weight, model.head_packed)], max_rows=max_sampled)
-            model.use_gemm(self.gemm)
-            self.decoder = CompiledDecoder(model)
-            warm_eager_path(model)
-        if engine_config.deterministic:  # asked for: say where it cannot hold
-            warn_unless_invariant(self)
-        # LLM_OPERATOR_PROFILE_OPS: each iteration's seconds by kind of work (op_profile.py)
+        self.paths = paths
+        self.gemm = ATEN_GEMM
+        if paths.gemm == "packed":
+            assert model.pack_weights(), "the packed GEMM needs every weight packed"
+            self.gemm = packed_gemm(paths.onednn_rows)
+        model.use_gemm(self.gemm)
+        self.decoder = CompiledDecoder(model) if paths.forward == "compiled" else None
+        self.ops: FusedOps = EAGER_OPS
+        if paths.elementwise == "triton":
+            from llm_operator.models.triton_ops import TRITON_OPS
+
+            self.ops = TRITON_OPS
+        # profile_ops: each iteration's seconds by kind of work (op_profile.py)
         self.op_profile: OpProfile | None = None
-        if profiling_requested():
+        if paths.profile_ops:
             self.op_profile = OpProfile()
             self.op_profile.watch_linears(model, Linear)
 
@@ -140,14 +144,6 @@ class NativeBackend:
             )
         return blocks
 
-    def _implementation(self) -> str:
-        """The attention kernels of this backend's device and dtype
-        (``kernels.step_implementation``); the torch kernels for soft-capped attention
-        scores (Gemma 2), which the others do not compute."""
-        if self.config.attn_softcap is not None:
-            return "torch"
-        return kernels.step_implementation(torch.empty(0, device=self.device, dtype=self.dtype))
-
     def _kv_pool(self, implementation: str, num_blocks: int) -> tuple[list, list]:
         """Per-layer K and V caches of at least ``num_blocks`` blocks in ``implementation``'s
         layout. Allocated zeroed (its pages touched now, not in the steps) and kept for
@@ -171,33 +167,6 @@ class NativeBackend:
         self._graphs = None
 
     # -- decode graphs ----------------------------------------------------------------
-    def graphs_wanted(self, implementation: str) -> bool:
-        """Whether decode steps go through ``DecodeGraphs``: ``cuda_graphs`` "auto" on
-        CUDA, "on" anywhere the Triton kernels run (on the CPU, under the interpreter:
-        the static buffers replayed eagerly, a test of the graph path). Never with op
-        profiling. ValueError for "on" without the Triton kernels."""
-        mode = self.engine_config.cuda_graphs
-        if mode == "off" or self.op_profile is not None:
-            return False
-        if self.config.sliding_window is not None or self.config.attn_softcap is not None:
-            if mode == "on":
-                raise ValueError(
-                    "cuda_graphs='on': decode graphs do not run sliding-window or soft-capped "
-                    f"attention yet (model_type={self.config.model_type!r}); use "
-                    "cuda_graphs='auto' or 'off'"
-                )
-            return False
-        if implementation != "triton":
-            if mode == "on":
-                raise ValueError(
-                    f"cuda_graphs='on' needs the Triton kernels (a CUDA device; or, for "
-                    f"tests, LLM_OPERATOR_KERNELS=triton with TRITON_INTERPRET=1), but "
-                    f"{self.device} runs the {implementation!r} kernels; use "
-                    "cuda_graphs='auto' or 'off'"
-                )
-            return False
-        return mode == "on" or self.device.type == "cuda"
-
     def decode_graphs(self, k_cache: list, v_cache: list) -> DecodeGraphs:
         """The graphs of the current KV pool (recorded graphs outlive a run; a new pool
         starts new ones)."""
@@ -210,65 +179,18 @@ class NativeBackend:
                 max_rows=min(config.max_batch_size, config.prefill_batch_tokens),
                 block_size=self.block_size,
                 pool_blocks=self._pool[1],
-                capture=self.device.type == "cuda",
+                capture=self.paths.graphs == "capture",
+                ops=self.ops,
+                fused_store=self.paths.fused_store,
             )
         return self._graphs
 
     # -- a run -----------------------------------------------------------------------
     def start(self, run: Run) -> _NativeSteps | OverlappedSteps:
         steps = _NativeSteps(self, run)
-        mode = overlap_mode()
-        if (
-            run.all_greedy
-            and self.op_profile is None
-            and (mode == "on" or (mode == "auto" and self.device.type == "cuda"))
-        ):
+        if self.paths.overlap and run.all_greedy and self.op_profile is None:
             return OverlappedSteps(steps)  # the next step scheduled while this one runs
         return steps
-
-
-def warn_unless_invariant(backend: NativeBackend) -> None:
-    """deterministic=True holds where the compiled CPU kernels run the attention and every
-    projection; elsewhere say so once (the run goes on, batch-dependent). Left unset, the
-    mode is the default where it can hold: nothing more to say (a kernel that failed its
-    proof has warned already)."""
-    import warnings
-
-    implementation = backend._implementation()
-    model = backend.model
-    packed = all(
-        INVARIANT_GEMM.packs(m.weight, m.packed) for m in model.modules() if isinstance(m, Linear)
-    ) and INVARIANT_GEMM.packs(model.head_weight, model.head_packed)
-    if implementation == "cpp" and packed:
-        return
-    where = (
-        f"{backend.device} runs the {implementation!r} attention kernels"
-        if implementation != "cpp"
-        else "some projections have no packed copy for the compiled CPU GEMM"
-    )
-    warnings.warn(
-        f"llm_operator: deterministic=True makes outputs batch-invariant with the compiled CPU "
-        f"kernels only, but {where}: a row's tokens may still depend on its batch",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-
-
-@torch.inference_mode()
-def warm_eager_path(model: LlamaModel) -> None:
-    """Run the eager forward once, on one row and on enough rows for the multi-threaded
-    builds (``fused.PARALLEL_MIN_ELEMENTS``), with a stand-in attention: the elementwise
-    regions' packages load now, with the model, rather than in a job's first prefill step
-    that takes the eager path (the first load in a process costs ~1.5 s on a 2-core CPU)."""
-    device = next(model.parameters()).device
-    rows = -(-fused.PARALLEL_MIN_ELEMENTS // model.config.hidden_size) + 1
-
-    def attention(layer: int, q, k, v):
-        return torch.zeros_like(q)
-
-    for count in (1, rows):
-        ids = torch.zeros(count, dtype=torch.int64, device=device)
-        model(ids, torch.arange(count, device=device), attention)
 
 
 class _NativeSteps:
@@ -281,7 +203,8 @@ class _NativeSteps:
         self.backend, self.run = backend, run
         plan = run.plan
         num_blocks = backend._num_blocks(plan)
-        self.implementation = backend._implementation()
+        paths = backend.paths
+        self.implementation = paths.attention
         self.k_cache, self.v_cache = backend._kv_pool(self.implementation, num_blocks)
         self.pool_blocks = backend._pool[1]  # >= num_blocks: a larger run may have built it
         windows = set(backend.config.layer_windows)
@@ -300,18 +223,17 @@ class _NativeSteps:
             implementation=self.implementation,
             segment_blocks=self.scheduler.segment_blocks,
             segment_length=self.scheduler.segment_length,
-            invariant=backend.invariant,  # the compiled CPU attention's mode (others ignore it)
+            invariant=paths.invariant,  # the compiled CPU attention's mode (others ignore it)
             window=backend.config.sliding_window,
             softcap=backend.config.attn_softcap,
         )
-        if backend.device.type == "cpu":
-            backend.model.use_gemm(backend.gemm)  # another backend may share the model
+        backend.model.use_gemm(backend.gemm)  # another backend may share the model
         self.upload_seconds = 0.0  # of the last step's eager device tensors (``logits``)
-        self.graphs = None  # DecodeGraphs for decode-only steps (backend.graphs_wanted)
-        if backend.graphs_wanted(self.implementation):
+        self.graphs = None  # DecodeGraphs for decode-only steps (paths.graphs)
+        if paths.graphs != "off":
             self.graphs = backend.decode_graphs(self.k_cache, self.v_cache)
         self.reported = 0  # scheduler.rejected already failed in the run
-        self.profile = backend.last_profile = RunProfile(num_blocks=num_blocks)
+        self.profile = backend.last_profile = RunProfile(num_blocks, paths.describe())
 
     # -- one iteration's tensors -------------------------------------------------------
     def _attention(
@@ -322,7 +244,7 @@ class _NativeSteps:
         config = self.backend.config
         scale, k_caches, v_caches = config.scale, self.k_cache, self.v_cache
         sliding = [window is not None for window in config.layer_windows]
-        attention = StepAttention(step, k_caches, v_caches, scale, window_step, sliding)
+        attention = LayerAttention(step, k_caches, v_caches, scale, window_step, sliding)
         op_profile = self.backend.op_profile
         if op_profile is None:
             return attention
@@ -350,7 +272,7 @@ class _NativeSteps:
             ops.begin()
             compute_logits = ops.timed("linear", compute_logits)
             sample = ops.timed("sampling", sample)
-            regions = TimedOps(fused.fused_ops(backend.device, backend.dtype), ops)
+            regions = TimedOps(backend.ops, ops)
         started = step_started = time.perf_counter()
         chunks = scheduler.schedule()
         plan = self.builder.plan(chunks)
@@ -418,11 +340,11 @@ class _NativeSteps:
         """The model on the step's tokens (the compiled CPU decoder where it runs): the
         final-normed hidden states [tokens, hidden]."""
         backend, ops = self.backend, self.backend.op_profile
-        decoder = backend.decoder
+        decoder, onednn_rows = backend.decoder, backend.paths.onednn_rows
         # the compiled decoder runs one layout for every layer: the windowed one where
         # every layer slides (it does not run models that mix the two)
         step = batch.step if batch.window_step is None else batch.window_step
-        if decoder is not None and decoder.runs(batch.num_tokens, step):
+        if decoder is not None and (onednn_rows is None or batch.num_tokens < onednn_rows):
             seconds = None if ops is None else torch.zeros(len(TIMED_KINDS), dtype=torch.float64)
             hidden = decoder(
                 batch.input_ids, batch.positions, step, self.k_cache, self.v_cache, seconds
@@ -432,7 +354,10 @@ class _NativeSteps:
                     ops.add(kind, value)
             return hidden
         attention = self._attention(batch.step, batch.window_step)
-        return backend.model(batch.input_ids, batch.positions, attention, regions)
+        fused_store = backend.paths.fused_store and ops is None
+        return backend.model(
+            batch.input_ids, batch.positions, attention, regions or backend.ops, fused_store
+        )
 
     def _hand_over(self, sampled: list[ScheduledChunk], ids: list[int], tokens: list[int]) -> None:
         """Give each sampled token to the run (stop rules), then to the scheduler: the row

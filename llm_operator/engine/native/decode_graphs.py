@@ -23,9 +23,9 @@ per chain level the segment capacity, table width, work capacity, tile shape and
 recorded lazily, at a key's first step: a warm-up run on a side stream (Triton compiles),
 the capture, then the replay.
 
-``capture=False`` runs the same static buffers eagerly at every step: the CPU path of the
-tests (``LLM_OPERATOR_KERNELS=triton`` under the Triton interpreter), which checks the
-padding and the static layout against the eager engine and Hugging Face.
+``capture=False`` runs the same static buffers eagerly at every step (``cuda_graphs="on"``
+with ``kernels="triton"`` under the Triton interpreter): the CPU path of the tests, which
+checks the padding and the static layout against the eager engine and Hugging Face.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ import torch
 
 from llm_operator import kernels
 from llm_operator.engine.native.overlap import patch_input_ids
-from llm_operator.engine.native.step_builder import HostStep, StepAttention
+from llm_operator.engine.native.step_builder import HostStep, LayerAttention
 from llm_operator.kernels import triton_attention as triton_kernels
+from llm_operator.models.fused import EAGER_OPS, FusedOps
 from llm_operator.models.llama import LlamaModel
 
 
@@ -136,8 +137,13 @@ class DecodeGraphs:
         block_size: int,
         pool_blocks: int,
         capture: bool,
+        ops: FusedOps = EAGER_OPS,
+        fused_store: bool = False,
     ) -> None:
+        """ops, fused_store: the forward's elementwise regions and whether they store K/V
+        (``LlamaModel.forward``)."""
         self.model, self.k_cache, self.v_cache = model, k_cache, v_cache
+        self.ops, self.fused_store = ops, fused_store
         self.buckets = buckets(max_rows)
         self.block_size, self.pool_blocks, self.capture = block_size, pool_blocks, capture
         parameter = next(model.parameters())
@@ -292,7 +298,9 @@ class DecodeGraphs:
         return self.model(
             layout.view(arena, "input_ids"),
             layout.view(arena, "positions"),
-            StepAttention(static.step, self.k_cache, self.v_cache, self.model.config.scale),
+            LayerAttention(static.step, self.k_cache, self.v_cache, self.model.config.scale),
+            self.ops,
+            self.fused_store,
         )
 
     def _record(self, static: _Static) -> None:

@@ -1,6 +1,6 @@
 """Where a native iteration's time goes, kind of work by kind of work (opt-in, for the bench).
 
-With ``LLM_OPERATOR_PROFILE_OPS=1`` in its environment, a ``NativeBackend`` times every
+With ``profile_ops=True`` (an engine option), a ``NativeBackend`` times every
 linear layer (the LM head included), the attention, the K/V store, the elementwise regions
 (norms, RoPE, SiLU) and the sampling of each iteration, and lists them in
 ``last_profile.ops``, one ``{kind: seconds}`` dict per iteration beside
@@ -11,7 +11,6 @@ per op, so it stays off unless asked for.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,13 +19,7 @@ from torch import Tensor, nn
 
 from llm_operator.models.fused import FusedOps
 
-PROFILE_ENV = "LLM_OPERATOR_PROFILE_OPS"
 KINDS = ("linear", "attention", "kv_store", "elementwise", "sampling", "host")
-
-
-def profiling_requested() -> bool:
-    """Whether ``LLM_OPERATOR_PROFILE_OPS`` asks for the per-kind split."""
-    return os.environ.get(PROFILE_ENV, "").strip().lower() not in ("", "0", "off", "false")
 
 
 class OpProfile:

@@ -18,26 +18,21 @@ lies in blocks it still holds).
 
 It applies to runs whose rows are all greedy and plain (no constraints, logprobs, stop
 strings or jump-forward: ``Run.all_greedy``), whose sampling needs nothing but the
-logits; ``LLM_OPERATOR_OVERLAP=auto|on|off`` (auto: on for CUDA, where the host and the
+logits; the ``overlap`` option says where (auto: on for CUDA, where the host and the
 device run side by side; on the CPU the device is the host, so nothing overlaps, but
 ``on`` runs the same logic: how the tests check it).
 """
 
 from __future__ import annotations
 
-import os
 import time
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from llm_operator.engine.native.sequence import RUNNING, WAITING, KVSequence, ScheduledChunk
 
-if TYPE_CHECKING:
-    from llm_operator.engine.native.backend import _NativeSteps
-
-OVERLAP_ENV = "LLM_OPERATOR_OVERLAP"
 STAND_IN = -1  # a guessed row's next token until the device (and then the host) has it
 
 
@@ -51,14 +46,6 @@ def patch_input_ids(input_ids: torch.Tensor, patch) -> None:
     input_ids[torch.from_numpy(rows).to(device, non_blocking=True)] = source.to(input_ids.dtype)
 
 
-def overlap_mode() -> str:
-    """``LLM_OPERATOR_OVERLAP`` as "auto", "on" or "off"; ValueError for another value."""
-    value = os.environ.get(OVERLAP_ENV, "").strip().lower() or "auto"
-    if value not in ("auto", "on", "off"):
-        raise ValueError(f"{OVERLAP_ENV} must be one of auto, on, off; got {value!r}")
-    return value
-
-
 class _Launched(NamedTuple):
     """An iteration launched on the device whose tokens the host has not handed over."""
 
@@ -69,9 +56,11 @@ class _Launched(NamedTuple):
 
 class OverlappedSteps:
     """Steps of one run with the next iteration overlapping the device's work (see the
-    module docstring). Same contract as the steps it wraps (``step``, ``close``)."""
+    module docstring). Same contract as the steps it wraps (``step``, ``close``): the
+    native backend's, whose ``scheduler``, ``builder``, ``profile``, ``run``, ``logits``,
+    ``finish`` and ``report_rejections`` it drives."""
 
-    def __init__(self, steps: _NativeSteps) -> None:
+    def __init__(self, steps: Any) -> None:
         self.steps = steps
         self.launched: _Launched | None = None
         # guessed rows: seq -> (position of its stand-in token, index into launched.tokens)

@@ -10,7 +10,8 @@ describes the running rows is kept between steps (``StepBuilder``) and only upda
 Everything else of a step (token ids, positions, KV slots, the own-attention layout and one
 shared-prefix batch per level of the segment chains) is computed from the chunks' starts
 and lengths with numpy, then validated once (``kernels.own_batch_arrays``,
-``kernels.prefix_batch_arrays``) and put on the device, where every layer reads it.
+``kernels.prefix_batch_arrays``) and put on the device, where every layer reads it
+(``LayerAttention``: the forward's attention callback over that layout).
 
 Region map of a step's token axis (``StepBatch``)::
 
@@ -28,7 +29,7 @@ import torch
 
 from llm_operator import kernels
 from llm_operator.engine.native.sequence import KVSequence, ScheduledChunk
-from llm_operator.kernels.metadata import device_tensor
+from llm_operator.kernels import device_tensor
 
 
 @dataclass
@@ -60,7 +61,7 @@ class HostStep:
     context_lens: np.ndarray  # [chunks] int64 own tokens after the step
     chains: list[tuple[int, ...]]  # distinct non-empty chains
     chain_ids: np.ndarray  # [chunks] index into chains, -1 for none
-    levels: list[SegmentLevel]  # one per chain level (empty on the torch path)
+    levels: list[SegmentLevel]  # one per chain level
 
     @property
     def decode_only(self) -> bool:
@@ -83,15 +84,15 @@ class StepBatch:
     window_step: kernels.AttentionStep | None = None
 
 
-class StepAttention:
+class LayerAttention:
     """The eager forward's attention over one step's layout (``LlamaModel``'s attention
     callback): ``attention(layer, q, k, v)`` stores the step's k, v and returns each row's
     attention over its own K/V and its shared segments, merged.
 
-    On the Triton kernels (the reference cache layout) it also offers the split the fused
-    QKV + RoPE + K/V store takes (``DecoderLayer``): ``cache(layer)`` gives the layer's
-    (k_cache, v_cache, slot_mapping) to store into, then ``attend(layer, q)`` attends
-    without storing. ``cache`` is None on the other kernels."""
+    It also offers the split the fused QKV + RoPE + K/V store takes (``DecoderLayer`` with
+    ``fused_store``, on the Triton kernels' reference cache layout): ``cache(layer)`` gives
+    the layer's (k_cache, v_cache, slot_mapping) to store into, then ``attend(layer, q)``
+    attends without storing."""
 
     def __init__(
         self,
@@ -108,8 +109,6 @@ class StepAttention:
         self.steps = [
             window_step if window_step is not None and slides else step for slides in sliding
         ]
-        if step.implementation != "triton":
-            self.cache = None
 
     def _step(self, layer: int) -> kernels.AttentionStep:
         return self.steps[layer] if layer < len(self.steps) else self.step
@@ -253,9 +252,7 @@ class StepBuilder:
             context_lens=start_np + length_np,
             chains=chains,
             chain_ids=chain_array,
-            levels=[]
-            if self.implementation == "torch"
-            else self._levels(chains, chain_array, query_start),
+            levels=self._levels(chains, chain_array, query_start),
         )
 
     def to_device(self, host: HostStep) -> StepBatch:
@@ -266,25 +263,21 @@ class StepBuilder:
             host.query_start, host.own_tables, host.context_lens, **shape
         )
         num_rows = host.num_tokens
-        if self.implementation == "torch":
-            prefix_batches = self._chain_batches(host)
-        else:
-            prefix_batches = [
-                kernels.prefix_batch_arrays(
-                    level.rows,
-                    level.row_start,
-                    level.tables,
-                    level.lengths,
-                    num_rows=num_rows,
-                    **shape,
-                )  # fmt: skip
-                for level in host.levels
-            ]
+        prefix_batches = [
+            kernels.prefix_batch_arrays(
+                level.rows, level.row_start, level.tables, level.lengths, num_rows=num_rows, **shape
+            )
+            for level in host.levels
+        ]
         slots = device_tensor(host.slots, device)
         step = kernels.AttentionStep(
-            self.implementation, own_batch, prefix_batches, slots, invariant=self.invariant
+            self.implementation,
+            own_batch,
+            prefix_batches,
+            slots,
+            invariant=self.invariant,
+            softcap=self.softcap,
         )
-        step.softcap = self.softcap
         window_step = None
         if self.window is not None:
             window_step = step
@@ -304,49 +297,25 @@ class StepBuilder:
         """The sliding-window layers' step (``kernels.windowed``): a segment that lies wholly
         before a row's window is left out of that row's batch, but in the batch-invariant
         CPU mode, whose items must stay those of the full layout (the kernel then skips it)."""
-        if self.implementation == "torch":
-            starts = [np.zeros(len(host.chains), dtype=np.int64)] if prefix_batches else []
-        else:
-            starts = [level.starts for level in host.levels]
+        starts = [level.starts for level in host.levels]
         keep_all = self.invariant and self.implementation == "cpp"
         own, prefixes = kernels.windowed(
             own_batch, prefix_batches, host.positions, starts, self.window, drop=not keep_all
         )
-        step = kernels.AttentionStep(
-            self.implementation, own, prefixes, slots, invariant=self.invariant
+        return kernels.AttentionStep(
+            self.implementation,
+            own,
+            prefixes,
+            slots,
+            invariant=self.invariant,
+            softcap=self.softcap,
         )
-        step.softcap = self.softcap
-        return step
-
-    def _chain_batches(self, host: HostStep) -> list[kernels.PrefixBatch]:
-        """The torch path's shared prefixes: one chain batch, a row's whole chain one
-        attention part (one call, one merge)."""
-        if not host.chains:
-            return []
-        chain_rows = [
-            _rows_of(np.flatnonzero(host.chain_ids == i), host.query_start).tolist()
-            for i in range(len(host.chains))
-        ]
-        segments = [
-            [(self.segment_blocks(s), self.segment_length(s)) for s in chain]
-            for chain in host.chains
-        ]
-        return [
-            kernels.chain_batch(
-                chain_rows,
-                segments,
-                num_rows=host.num_tokens,
-                block_size=self.block_size,
-                num_blocks=self.pool_blocks,
-                device=self.device,
-            )
-        ]
 
     def _levels(
         self, chains: list[tuple[int, ...]], chain_ids: np.ndarray, query_start: np.ndarray
     ) -> list[SegmentLevel]:
-        """One ``SegmentLevel`` per level of the chains (Triton and the compiled CPU
-        kernels read block tables; a row reads at most one segment a level)."""
+        """One ``SegmentLevel`` per level of the chains (a row reads at most one segment a
+        level)."""
         if not chains:
             return []
         depth = max(len(chain) for chain in chains)

@@ -1,0 +1,355 @@
+"""The main job behind ``make demo``: classify the bundled reviews and tickets with SmolLM2.
+
+Each row's output is constrained to its task's labels (``SamplingParams(choices=...)``),
+so every answer names a label. ``compare_free`` also runs the same prompts as free
+generation (up to a newline, as the demo did before choices) and prints both side by
+side: how many answers name a label, and how many agree with the label a review's rating
+or category implies (``demo_data.gold_label``).
+
+Choices differ per task, and every engine runs all rows in one call: the local engine
+with one ``SamplingParams`` per row, Spark and Dask with each row's labels in a column
+(``llm_infer(..., choices_col="labels")``, the CLI's ``--choices-col``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, NamedTuple
+
+DEMO_MAX_TOKENS = 6
+DEMO_STOP = ("\n",)
+
+
+class Classified(NamedTuple):
+    """One pass over the demo's rows."""
+
+    results: list  # GenerationResult per row, in row order
+    labels: list  # the label each output names (demo_data.parse_label), or None
+    seconds: float
+    stats: Any  # the operator's RunStats on the local engine; None on spark and dask
+    calls: int  # generate calls (one: per-row labels on every engine)
+
+
+def run_demo(
+    *,
+    model: str,
+    limit: int | None,
+    output: Path,
+    compare_static: bool = False,
+    engine: str = "local",
+    partitions: int = 2,
+    compare_engines: bool = False,
+    compare_free: bool = False,
+    options: dict | None = None,
+) -> int:
+    """options: engine options (``llm_operator.options``) for every engine the demo runs."""
+    from llm_operator import LLMOperator
+    from llm_operator.cli.demo_data import build_demo_rows
+
+    rows = build_demo_rows(limit=limit)
+    print(f"demo: {len(rows)} rows over {len({r['task'] for r in rows})} tasks, model {model}")
+    started = time.perf_counter()
+    options = dict(options or {})
+    op = LLMOperator(model, **options)
+    prompts = [row["messages"] for row in rows]
+    plan = op.plan(prompts, [_sampling(row, choices=True) for row in rows])
+    print(plan.report())
+    if engine == "local":
+        op.backend()  # load the model now, so its time is reported apart
+        print(f"model ready in {time.perf_counter() - started:.1f} s ({op.model.path})")
+    run = dict(engine=engine, op=op, model=model, options=options, partitions=partitions)
+    chosen = classify(rows, **run)
+    free = classify(rows, **run, choices=False) if compare_free else None
+
+    _print_samples(rows, chosen, free)
+    _print_label_table(rows, chosen, free)
+    print()
+    if free is not None:
+        _print_run("free generation", engine, partitions, rows, free, plan)
+    _print_run("with choices" if free is not None else None, engine, partitions, rows, chosen, plan)
+    _write_records(output, rows, chosen, free)
+    print(f"wrote {output}")
+    if compare_static:
+        _compare_static(op, rows, free if engine == "local" else None)
+    if compare_engines:
+        _compare_engines(rows, op=op, model=model, options=options, partitions=partitions)
+    return 0
+
+
+def _sampling(row: dict, *, choices: bool):
+    """A row's SamplingParams: its task's labels as choices, or free up to a newline."""
+    from llm_operator import SamplingParams
+
+    if choices:
+        return SamplingParams(max_tokens=DEMO_MAX_TOKENS, choices=tuple(row["labels"]))
+    return SamplingParams(max_tokens=DEMO_MAX_TOKENS, stop=DEMO_STOP)
+
+
+def classify(
+    rows: list[dict],
+    *,
+    engine: str,
+    op,
+    model: str,
+    options: dict,
+    partitions: int,
+    choices: bool = True,
+) -> Classified:
+    """The demo's rows through ``engine``, in one call: "local" runs ``op`` with a
+    SamplingParams per row; "spark" and "dask" run ``cli.engines.generate`` with each
+    row's labels as its constraint (``choices_col``)."""
+    from llm_operator.cli.demo_data import parse_label
+
+    prompts = [row["messages"] for row in rows]
+    if engine == "local":
+        results = op.generate(prompts, [_sampling(row, choices=choices) for row in rows])
+        stats = op.last_stats
+        seconds, calls = stats.seconds, 1
+    else:
+        from llm_operator.cli.engines import generate
+
+        sampling: dict[str, Any] = {"stop": DEMO_STOP}
+        if choices:  # each row's task labels, from a column: one job over every task
+            sampling = {"choices_col": "labels", "constraints": [row["labels"] for row in rows]}
+        generated = generate(
+            prompts,
+            engine=engine,
+            model=model,
+            partitions=partitions,
+            max_tokens=DEMO_MAX_TOKENS,
+            **sampling,
+            **options,
+        )
+        results, seconds, stats, calls = generated.results, generated.seconds, None, 1
+    labels = [parse_label(r.text, row["labels"]) for r, row in zip(results, rows)]
+    return Classified(results, labels, seconds, stats, calls)
+
+
+def _print_samples(rows: list[dict], chosen: Classified, free: Classified | None) -> None:
+    print("\nsample outputs:")
+    shown: Counter = Counter()
+    for index, row in enumerate(rows):
+        if shown[row["task"]] >= 2:
+            continue
+        shown[row["task"]] += 1
+        snippet = row["input"][:70] + ("..." if len(row["input"]) > 70 else "")
+        answer = repr(chosen.results[index].text)
+        if free is not None:
+            answer = f"free {free.results[index].text.strip()!r}, with choices {answer}"
+        print(f"  [{row['task']}] {snippet!r} -> {answer}")
+
+
+def _count(pairs: list[tuple[Any, Any]]) -> str:
+    """ "agreeing/graded" over (label, gold) pairs with a gold label, "-" without any."""
+    graded = [(label, gold) for label, gold in pairs if gold is not None]
+    if not graded:
+        return "-"
+    return f"{sum(label == gold for label, gold in graded)}/{len(graded)}"
+
+
+def _print_label_table(rows: list[dict], chosen: Classified, free: Classified | None) -> None:
+    """Per task: agreement with the implied labels (reviews only; tickets have none), and
+    with compare_free the free outputs that name a label and agree with the choices."""
+    tasks = list(dict.fromkeys(row["task"] for row in rows))
+    width = max(len(t) for t in [*tasks, "all"]) + 2
+    if free is None:
+        print("\nlabels by task (each output constrained to its task's labels):")
+        header = ["rows", "agree with implied label"]
+    else:
+        print("\nlabels by task: free generation (up to a newline) and with choices:")
+        header = ["rows", "free: name a label", "free: agree", "choices: agree", "same label"]
+    print("  " + "task".ljust(width) + "".join(f"{h:>{len(h) + 3}}" for h in header))
+    for task in [*tasks, "all"]:
+        members = [i for i, row in enumerate(rows) if task in ("all", row["task"])]
+        gold = [rows[i]["gold"] for i in members]
+        chosen_pairs = list(zip([chosen.labels[i] for i in members], gold))
+        cells = [str(len(members))]
+        if free is not None:
+            free_labels = [free.labels[i] for i in members]
+            named = sum(label is not None for label in free_labels)
+            same = sum(free.labels[i] == chosen.labels[i] for i in members)
+            cells += [f"{named}/{len(members)}", _count(list(zip(free_labels, gold)))]
+            cells += [_count(chosen_pairs), f"{same}/{len(members)}"]
+        else:
+            cells.append(_count(chosen_pairs))
+        print(
+            "  " + task.ljust(width) + "".join(f"{c:>{len(h) + 3}}" for c, h in zip(cells, header))
+        )
+    print("  (implied labels: a review's star rating and product category; tickets have none)")
+
+
+def _print_run(
+    name: str | None, engine: str, partitions: int, rows: list[dict], run: Classified, plan
+) -> None:
+    named = sum(label is not None for label in run.labels)
+    head = f"{name}: " if name else ""
+    stats = run.stats
+    if stats is not None:
+        forced = f", {stats.forced_tokens} forced (jump-forward)" if stats.forced_tokens else ""
+        print(
+            f"{head}{stats.rows} rows in {stats.seconds:.1f} s: {stats.rows_per_second:.2f} "
+            f"rows/s, {stats.output_tokens} output tokens{forced}; "
+            f"{named}/{len(rows)} outputs name a label"
+        )
+        print(
+            f"  prompt tokens {stats.prompt_tokens}, prefilled {stats.prefill_tokens_computed} "
+            f"(minimum {stats.unique_prompt_tokens}); saving ratio {stats.saving_ratio:.1%}; "
+            f"{stats.groups} groups"
+        )
+        return
+    calls = "one job over every task" if run.calls == 1 else f"{run.calls} jobs"
+    print(
+        f"{head}{len(rows)} rows on {engine} (local mode, {partitions} partitions, {calls}, "
+        f"model loads included) in {run.seconds:.1f} s: {len(rows) / run.seconds:.2f} rows/s; "
+        f"{named}/{len(rows)} outputs name a label; plan saving ratio "
+        f"{plan.stats.saving_ratio:.1%} over the whole job (each partition plans its own rows)"
+    )
+
+
+def _write_records(
+    output: Path, rows: list[dict], chosen: Classified, free: Classified | None
+) -> None:
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with open(output, "w", encoding="utf-8") as f:
+        for index, row in enumerate(rows):
+            result = chosen.results[index]
+            record = {
+                "id": row["id"],
+                "task": row["task"],
+                "input": row["input"],
+                "output": result.text,
+                "label": chosen.labels[index],
+                "gold": row.get("gold"),
+                "finish_reason": result.finish_reason,
+                "error": result.error,
+            }
+            if free is not None:
+                record["free_output"] = free.results[index].text
+                record["free_label"] = free.labels[index]
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def _compare_engines(rows: list[dict], *, op, model: str, options: dict, partitions: int) -> None:
+    """The same rows (with choices) through LLMOperator directly, Spark local and Dask."""
+    timings = {}
+    texts = {}
+    for engine in ("local", "spark", "dask"):
+        run = classify(
+            rows, engine=engine, op=op, model=model, options=options, partitions=partitions
+        )
+        timings[engine] = run.seconds
+        texts[engine] = [r.text for r in run.results]
+    print(
+        f"\nengines side by side ({len(rows)} rows, {partitions} partitions; spark and dask "
+        "include model loads):"
+    )
+    print(f"  {'engine':<10}{'seconds':>10}{'rows/s':>10}{'same text as local':>22}")
+    for engine, seconds in timings.items():
+        same = sum(a == b for a, b in zip(texts[engine], texts["local"]))
+        print(f"  {engine:<10}{seconds:>10.1f}{len(rows) / seconds:>10.2f}{same:>16}/{len(rows)}")
+
+
+def _compare_static(op, rows: list[dict], free: Classified | None) -> None:
+    """Plain HF generate on fixed batches of the same size against our free generation
+    (``free``, when it ran on the local engine; else run here), same rows, side by side."""
+    if free is None:
+        free = classify(
+            rows, engine="local", op=op, model="", options={}, partitions=1, choices=False
+        )
+    prompts = [row["messages"] for row in rows]
+    sampling = _sampling(rows[0], choices=False) if rows else None
+    # the batch size the backend runs (its config with the defaults filled in)
+    batch_size = getattr(op.backend(), "engine_config", op.config).max_batch_size
+    if batch_size is None:
+        from llm_operator.config import DEFAULT_MAX_BATCH_SIZE
+
+        batch_size = DEFAULT_MAX_BATCH_SIZE
+    token_ids = op.prepare(prompts, sampling).token_ids
+    valid = [i for i, ids in enumerate(token_ids) if ids is not None]
+    static = _static_generate(
+        op.backend().model,
+        op.tokenizer,
+        [token_ids[i] for i in valid],
+        max_tokens=DEMO_MAX_TOKENS,
+        batch_size=batch_size,
+        stop=DEMO_STOP,
+    )
+    ours = free.stats
+    differ = [
+        i for k, i in enumerate(valid) if list(free.results[i].token_ids) != static.token_ids[k]
+    ]
+    same = len(valid) - len(differ)
+    print(f"\nside by side, free generation (same rows, batch size {batch_size}):")
+    print(f"  {'system':<22}{'prefill tokens':>16}{'seconds':>10}{'rows/s':>10}")
+    print(
+        f"  {'hf-static (generate)':<22}{static.padded_prompt_tokens:>16}{static.seconds:>10.1f}"
+        f"{len(valid) / static.seconds:>10.2f}"
+    )
+    print(
+        f"  {'llm-operator ' + op.backend_name:<22}{ours.prefill_tokens_computed:>16}"
+        f"{ours.generate_seconds:>10.1f}{len(valid) / ours.generate_seconds:>10.2f}"
+    )
+    print(
+        f"  speed-up {static.seconds / ours.generate_seconds:.2f}x; "
+        f"identical outputs {same}/{len(valid)}; static real prompt tokens {static.prompt_tokens}"
+    )
+    if differ:
+        print(f"  rows whose tokens differ: {differ[:20]}")
+
+
+class StaticRun(NamedTuple):
+    token_ids: list[list[int]]  # generated tokens per prompt, cut after the first EOS
+    prompt_tokens: int  # real prompt tokens prefilled
+    padded_prompt_tokens: int  # prompt positions computed, padding included
+    seconds: float
+
+
+def _static_generate(
+    model, tokenizer, prompts: list, *, max_tokens: int, batch_size: int, stop=()
+) -> StaticRun:
+    """What a user writes in a pandas UDF: greedy ``model.generate`` over ``prompts``
+    (token ids), ``batch_size`` at a time in input order, left-padded, each batch run to
+    completion (the benchmark's ``hf-static`` baseline, for the demo's rows)."""
+    import torch
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = model.generation_config.eos_token_id
+    eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
+    generation_config = copy.deepcopy(model.generation_config)
+    device = next(model.parameters()).device
+    outputs: list[list[int]] = []
+    padded = 0
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for begin in range(0, len(prompts), batch_size):
+            batch = prompts[begin : begin + batch_size]
+            width = max(len(p) for p in batch)
+            padded += width * len(batch)
+            input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for i, p in enumerate(batch):
+                input_ids[i, width - len(p) :] = torch.as_tensor(list(p))
+                mask[i, width - len(p) :] = 1
+            extra = {"stop_strings": list(stop), "tokenizer": tokenizer} if stop else {}
+            generated = model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=mask.to(device),
+                generation_config=generation_config,
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+                **extra,
+            )
+            for row in generated[:, width:].tolist():
+                row = row[:max_tokens]
+                cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+                row = row[:cut]
+                while stop and row and row[-1] == pad and pad not in eos_ids:
+                    row.pop()  # generate pads rows that ended on a stop string
+                outputs.append(row)
+    seconds = time.perf_counter() - started
+    return StaticRun(outputs, sum(len(p) for p in prompts), padded, seconds)

@@ -1,0 +1,1 @@
+"""One module per ``llm-operator bench <target>`` suite, and the stand-alone measurements."""
