@@ -1,7 +1,6 @@
-"""Dask: ``llm_infer`` adds generated columns to a dask DataFrame; ``co_locate`` moves rows
-that share a prompt prefix into one partition first.
+"""Dask: ``llm_infer`` adds generated columns to a dask DataFrame, the rows that share a
+prompt prefix co-located for the run (``co_locate``) and put back in order after it.
 
->>> ddf = co_locate(ddf, "prompt")                                   # optional, see its doc
 >>> ddf = llm_infer(ddf, "prompt", output="out", model="smollm2-135m-instruct", max_tokens=32)
 >>> ddf[["prompt", "out", "out_finish_reason"]].compute()
 >>> llm_estimate(ddf, "prompt", model="smollm2-135m-instruct", max_tokens=32, executors=8).report()
@@ -19,6 +18,7 @@ absolute import of the real dask package (Python 3 has no implicit relative impo
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,6 +27,11 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 
+from llm_operator.integrations.co_location import (
+    CoLocation,
+    PrefixPartitioner,
+    plan_co_location,
+)
 from llm_operator.integrations.estimate_frames import (
     PREDICTION_FIELDS,
     check_estimate_options,
@@ -36,23 +41,18 @@ from llm_operator.integrations.estimate_frames import (
     predict_partition,
     sample_size,
 )
-from llm_operator.integrations.json_values import ANY, ValueType
-from llm_operator.integrations.partition import (
+from llm_operator.integrations.infer_options import (
     RESULT_FIELDS,
     VALUE_FIELD,
     InferOptions,
-    PrefixPartitioner,
-    _is_missing,
-    build_partitioner,
     check_prompt_source,
     check_server,
-    logger,
+    is_missing,
     make_options,
-    result_records,
-    run_partition,
-    show_worker_logs,
     typed_value,
 )
+from llm_operator.integrations.json_values import ANY, ValueType
+from llm_operator.integrations.worker import logger, result_records, run_partition, show_worker_logs
 from llm_operator.options import SCOPES, keyword_signature
 
 if TYPE_CHECKING:
@@ -123,12 +123,20 @@ def llm_infer(
         row's prompt is rendered from its columns (``dask_tables``; nulls render
         empty). Missing columns (ValueError) and dtypes that do not render (TypeError)
         are refused here, before anything runs.
+    co_locate (default True): rows sharing a prompt prefix move into one partition for
+        the run (``co_locate``: skipped when a sample shows the prompts share no
+        prefixes or the partitions keep each group together already; the decision, the
+        rows moved and the sharing it buys are logged, logger
+        ``llm_operator.integrations``), then go back to their partitions in their
+        order: the result has ``ddf``'s partitions, index, order and divisions either
+        way. Costs a sample pass and, when it runs, two shuffles. False: each partition
+        runs as it is.
     reorder_fields: two passes of statistics (``dask_tables.plan_table``: row count and
-        mean lengths, then distinct counts of field sets) choose the order of the movable field lines that shares the most prefix; the prompts
-        render in it and rows are co-located by them (``co_locate``).
-    dedupe: rows are co-located by the prompt and each partition computes each
+        mean lengths, then distinct counts of field sets) choose the order of the movable
+        field lines that shares the most prefix; the prompts render in it and rows are
+        co-located by them (always).
+    dedupe: rows are co-located by the prompt (always) and each partition computes each
         distinct prompt once; identical prompts get identical outputs.
-        With either, rows move between partitions (index labels kept, divisions unknown).
     model and the engine options: which engine each worker process builds once and reuses
         (``LLMOperator`` arguments; ``engine_options`` takes them as a mapping too).
     options: every engine, sampling and prompt option (``llm_operator.options``),
@@ -179,10 +187,24 @@ def llm_infer(
     frame, key = ddf, col
     if options.table is not None:
         frame, key = _rendered(ddf, options)
-    if options.dedupe or options.reorder_fields:  # identical prompts meet in one partition
-        frame = co_locate(frame, key)
     meta = _with_results(frame._meta, [], output, value_type is not None)
-    result = frame.map_partitions(_infer_partition, key, options, output, value_type, meta=meta)
+    if not (options.co_locate or options.dedupe or options.reorder_fields):
+        result = frame.map_partitions(_infer_partition, key, options, output, value_type, meta=meta)
+        return result.drop(columns=[_PROMPT]) if key == _PROMPT else result
+    # rows sharing a prefix meet (identical and like prompts always, with dedupe and
+    # reorder_fields), run, then go back to their partitions in their order
+    placed, decision = _co_locate(
+        frame, key, force=options.dedupe or options.reorder_fields, keep_order=True
+    )
+    logger.info("llm_infer %s", decision.report())
+    if decision.skipped is not None:
+        result = frame.map_partitions(_infer_partition, key, options, output, value_type, meta=meta)
+    else:
+        placed_meta = _with_results(placed._meta, [], output, value_type is not None)
+        ran = placed.map_partitions(
+            _infer_partition, key, options, output, value_type, meta=placed_meta
+        )
+        result = _back_in_order(ran, frame)
     return result.drop(columns=[_PROMPT]) if key == _PROMPT else result
 
 
@@ -229,7 +251,7 @@ def _infer_partition(
     if constraint_col is not None:  # each row's constraint, from its column
         extra["constraints"] = frame[constraint_col[1]].tolist()
         if constraint_col[0] == "json_schema":  # parse only rows given a schema
-            parsed = [not _is_missing(c) for c in extra["constraints"]]
+            parsed = [not is_missing(c) for c in extra["constraints"]]
     results = run_partition(frame[col].tolist(), options, device=device, label=label, **extra)
     records = result_records(results, value_type, parsed)
     return _with_results(frame, records, output, value_type is not None)
@@ -429,10 +451,57 @@ def co_locate(
     It pays when the prompts share long prefixes (instructions, few-shot examples, a
     document asked several questions) and the input order mixes them; it costs a
     sample pass over ``ddf`` (persist an expensive input first) and a shuffle.
+    ``llm_infer`` does it for you unless a sample shows it cannot help, and puts the
+    rows back in their partitions and order afterwards.
 
     The result keeps the columns and each row's original index label (so results can
     be joined back), but the index is no longer sorted: divisions are unknown.
     """
+    return _co_locate(
+        ddf, col, npartitions, sample_size=sample_size, min_prefix_chars=min_prefix_chars,
+        seed=seed, force=True,
+    )[0]  # fmt: skip
+
+
+def co_locate_if_it_helps(
+    ddf: dd.DataFrame,
+    col: Hashable,
+    npartitions: int | None = None,
+    *,
+    sample_size: int = 2000,
+    min_prefix_chars: int = 32,
+    seed: int = 0,
+) -> tuple[dd.DataFrame, CoLocation]:
+    """``co_locate(ddf, col, ...)``, unless a sample of the rows, each with the partition
+    it is in, shows that it cannot help: the prompts share no prefixes, or the partitions
+    keep each group together already (``co_location.plan_co_location``). Returns the
+    frame (``ddf`` itself when skipped) and the decision, whose ``report()`` says how many
+    rows moved and what one plan over the frame shares against its partitions as they
+    came. Message-list prompts are keyed by their JSON."""
+    return _co_locate(
+        ddf, col, npartitions, sample_size=sample_size, min_prefix_chars=min_prefix_chars,
+        seed=seed,
+    )  # fmt: skip
+
+
+def _co_locate(
+    ddf: dd.DataFrame,
+    col: Hashable,
+    npartitions: int | None = None,
+    *,
+    sample_size: int = 2000,
+    min_prefix_chars: int = 32,
+    seed: int = 0,
+    force: bool = False,
+    keep_order: bool = False,
+) -> tuple[dd.DataFrame, CoLocation]:
+    """``co_locate`` and its decision (``co_location.plan_co_location``): ``ddf`` as it
+    came when the sample shows co-locating cannot help (unless ``force``). Prompts that
+    are message lists are keyed by their JSON. ``keep_order``: the placed frame keeps the
+    helper columns ``_ORDER`` and ``_INDEX`` (``_back_in_order`` uses them) and its index
+    is the target partition."""
+    if not isinstance(ddf, dd.DataFrame):
+        raise TypeError(f"ddf must be a dask.dataframe.DataFrame, got {type(ddf).__name__}")
     _check_prompt_column(ddf, col)
     if npartitions is None:
         npartitions = ddf.npartitions
@@ -443,16 +512,48 @@ def co_locate(
     clashes = [name for name in (_PARTITION, _ORDER, _INDEX) if name in ddf.columns]
     if clashes:
         raise ValueError(f"ddf has co_locate's reserved column(s) {clashes}; rename them")
-    sample = _sample_prompts(ddf[col], sample_size, seed)
-    partitioner = build_partitioner(sample, npartitions, min_prefix_chars=min_prefix_chars)
+    sample, rows = _sample_prompts(ddf[col], sample_size, seed)
+    decision = plan_co_location(
+        sample, npartitions, rows=rows, min_prefix_chars=min_prefix_chars, force=force
+    )
+    if decision.skipped is not None:
+        return ddf, decision
+    partitioner = decision.partitioner
     tagged = ddf.map_partitions(
         _tag_partition, col, partitioner, meta=_tag_partition(ddf._meta, col, partitioner)
     )
     # divisions [0, 1, ..., n-1, n-1]: partition i holds exactly the key i
     placed = tagged.set_index(_PARTITION, divisions=[*range(npartitions), npartitions - 1])
+    if keep_order:
+        meta = _sort_partition(placed._meta, col, None, keep=True)
+        sorted_ = placed.map_partitions(_sort_partition, col, None, True, meta=meta)
+        return sorted_, decision
     return placed.map_partitions(
         _sort_partition, col, ddf._meta.index.name, meta=ddf._meta, clear_divisions=True
-    )
+    ), decision
+
+
+def _back_in_order(placed: dd.DataFrame, original: dd.DataFrame) -> dd.DataFrame:
+    """Rows placed by ``_co_locate(keep_order=True)`` (and their results) back in the
+    partitions and the order ``original`` had them, with its index (and divisions, when
+    it knew them): a range shuffle on the input order, then the index restored."""
+    count = original.npartitions
+    divisions = [number << 32 for number in range(count)] + [((count - 1) << 32) + (1 << 32) - 1]
+    ordered = placed.set_index(_ORDER, divisions=divisions)
+    name = original._meta.index.name
+    if original.known_divisions:  # sorted by it already: no shuffle, the same divisions
+        restored = ordered.set_index(_INDEX, sorted=True, divisions=original.divisions)
+        return restored.map_partitions(_named_index, name, meta=_named_index(restored._meta, name))
+    meta = _restore_index(ordered._meta, name)
+    return ordered.map_partitions(_restore_index, name, meta=meta, clear_divisions=True)
+
+
+def _restore_index(frame: pd.DataFrame, name: Hashable) -> pd.DataFrame:
+    return _named_index(frame.set_index(_INDEX), name)
+
+
+def _named_index(frame: pd.DataFrame, name: Hashable) -> pd.DataFrame:
+    return frame.rename_axis(index=name)
 
 
 def _tag_partition(
@@ -465,37 +566,62 @@ def _tag_partition(
     number = 0 if partition_info is None else partition_info["number"]
     tagged = frame.copy(deep=False)
     tagged[_PARTITION] = np.fromiter(
-        (partitioner(prompt) for prompt in frame[col]), dtype=np.int64, count=len(frame)
+        (partitioner(_key_of(prompt)) for prompt in frame[col]), dtype=np.int64, count=len(frame)
     )
     tagged[_ORDER] = (np.int64(number) << 32) + np.arange(len(frame), dtype=np.int64)
     tagged[_INDEX] = frame.index.array
     return tagged
 
 
-def _sort_partition(frame: pd.DataFrame, col: Hashable, index_name: Hashable) -> pd.DataFrame:
-    """Sort one placed partition by (prompt, input order); restore the original index."""
+def _sort_partition(
+    frame: pd.DataFrame, col: Hashable, index_name: Hashable, keep: bool = False
+) -> pd.DataFrame:
+    """Sort one placed partition by (prompt, input order); restore the original index
+    (``keep``: keep the helper columns and the partition index instead)."""
     prompts = frame[col]
-    if prompts.dtype == object:  # non-strings (missing, chat messages) sort last
-        prompts = prompts.map(lambda value: value if isinstance(value, str) else None)
-        prompts = prompts.astype(STRING_DTYPE)
+    if prompts.dtype == object:  # non-strings (missing, chat messages) sort by their JSON
+        prompts = prompts.map(_key_of).astype(STRING_DTYPE)
     keys = pd.DataFrame({"prompt": prompts.array, "order": frame[_ORDER].to_numpy()})
     positions = keys.sort_values(["prompt", "order"], kind="stable", na_position="last").index
+    if keep:
+        return frame.iloc[positions.to_numpy()]
     result = frame.iloc[positions.to_numpy()].set_index(_INDEX).drop(columns=[_ORDER])
     result.index.name = index_name
     return result
 
 
-def _sample_prompts(prompts: dd.Series, sample_size: int, seed: int) -> list[Any]:
-    """A uniform sample without replacement, the same on every run for the same input.
+def _key_of(prompt: Any) -> str | None:
+    """What co-location keys a prompt by: the text, or a message list's JSON (the system
+    message and shared turns come first); None for anything else (missing prompts)."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, (list, tuple)):
+        return json.dumps(list(prompt), default=str)
+    return None
+
+
+def _sample_prompts(
+    prompts: dd.Series, sample_size: int, seed: int
+) -> tuple[list[tuple[Any, int]], int]:
+    """A uniform sample without replacement of the keyed prompts, each with the partition
+    it is in, the same on every run for the same input; and the rows counted on the way.
 
     Bottom-k sampling: every prompt gets a random key from a generator seeded by
     (seed, partition number); each partition keeps its ``sample_size`` smallest keys,
     and the client keeps the smallest ``sample_size`` of those. One pass.
     """
-    meta = pd.DataFrame({"key": pd.Series(dtype="float64"), "prompt": prompts._meta})
+    meta = pd.DataFrame(
+        {
+            "key": pd.Series(dtype="float64"),
+            "prompt": pd.Series(dtype=object),
+            "part": pd.Series(dtype="int64"),
+            "rows": pd.Series(dtype="int64"),
+        }
+    )
     candidates = prompts.map_partitions(_smallest_keys, sample_size, seed, meta=meta).compute()
+    rows = int(candidates.groupby("part")["rows"].first().sum())
     chosen = candidates.sort_values("key", kind="stable").head(sample_size)
-    return chosen["prompt"].tolist()
+    return list(zip(chosen["prompt"].tolist(), chosen["part"].tolist())), rows
 
 
 def _smallest_keys(
@@ -507,8 +633,16 @@ def _smallest_keys(
     number = 0 if partition_info is None else partition_info["number"]
     keys = np.random.default_rng([seed, number]).random(len(prompts))
     chosen = np.argsort(keys, kind="stable")[:sample_size]
+    keyed = np.empty(len(chosen), dtype=object)
+    for row, value in enumerate(prompts.iloc[chosen]):
+        keyed[row] = _key_of(value)
     return pd.DataFrame(
-        {"key": keys[chosen], "prompt": prompts.iloc[chosen].array},
+        {
+            "key": keys[chosen],
+            "prompt": keyed,
+            "part": np.full(len(chosen), number),
+            "rows": np.full(len(chosen), len(prompts)),
+        },
         index=pd.RangeIndex(len(chosen)),
     )
 

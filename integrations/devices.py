@@ -21,7 +21,7 @@ Dask worker running the partition).
   "auto", i.e. the CPU).
 
 A device comes back as a ``Device``: a str ("cuda:1") that also carries the share
-(``gpu_share``, None for a whole GPU); ``partition.get_operator`` gives the share to the
+(``gpu_share``, None for a whole GPU); ``worker.get_operator`` gives the share to the
 engine (``EngineConfig.gpu_share``) unless the options set one.
 """
 

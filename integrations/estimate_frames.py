@@ -21,12 +21,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from llm_operator.integrations.partition import (
-    InferOptions,
-    _partition_lock,
-    get_operator,
-    partition_prompts,
-)
+from llm_operator.integrations.infer_options import InferOptions
+from llm_operator.integrations.worker import _partition_lock, get_operator, partition_prompts
 
 if TYPE_CHECKING:
     from llm_operator.estimate import CostInputs, Estimate

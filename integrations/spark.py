@@ -1,9 +1,14 @@
 """Spark integration: an LLM column over a DataFrame, and prefix co-location.
 
->>> from llm_operator.integrations.spark import co_locate, llm_infer
->>> df = co_locate(df, "prompt")  # optional: rows sharing a prefix meet in one partition
->>> df = df.withColumn("out", llm_infer("prompt", model="smollm2-135m-instruct", max_tokens=32))
->>> df.select("out.text", "out.finish_reason")
+>>> from llm_operator.integrations.spark import llm_infer_df
+>>> out = llm_infer_df(df, "prompt", model="smollm2-135m-instruct", max_tokens=32)
+>>> out.select("out.text", "out.finish_reason")
+
+``llm_infer_df`` first moves the rows that share a prompt prefix into one partition
+(``co_locate``, skipped where a sample shows it cannot help), so each prefix is computed
+once for the whole frame. ``llm_infer`` is the same as a Column, which cannot move rows:
+``df = co_locate(df, "prompt")`` first, then ``df.withColumn("out", llm_infer("prompt",
+...))``.
 >>> llm_estimate(df, "prompt", model="smollm2-135m-instruct", max_tokens=32, executors=8).report()
 
 ``llm_infer`` returns a struct column ``text, finish_reason, prompt_tokens,
@@ -34,6 +39,11 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from llm_operator.integrations.co_location import (
+    CoLocation,
+    PrefixPartitioner,
+    plan_co_location,
+)
 from llm_operator.integrations.estimate_frames import (
     PREDICTION_FIELDS,
     check_estimate_options,
@@ -43,23 +53,18 @@ from llm_operator.integrations.estimate_frames import (
     predict_partition,
     sample_size,
 )
-from llm_operator.integrations.json_values import ValueType
-from llm_operator.integrations.partition import (
+from llm_operator.integrations.infer_options import (
     RESULT_FIELDS,
     VALUE_FIELD,
     InferOptions,
-    PrefixPartitioner,
-    _is_missing,
-    build_partitioner,
     check_prompt_source,
     check_server,
-    logger,
+    is_missing,
     make_options,
-    result_records,
-    run_partition,
-    show_worker_logs,
     typed_value,
 )
+from llm_operator.integrations.json_values import ValueType
+from llm_operator.integrations.worker import logger, result_records, run_partition, show_worker_logs
 from llm_operator.options import SCOPES, keyword_signature
 from llm_operator.prompts.table import TABLE_PROMPT_OPTIONS
 
@@ -133,7 +138,9 @@ def llm_infer(
         the prompt is rendered from the row's columns (``spark_tables``; nulls render
         empty). ``reorder_fields`` needs the whole DataFrame: use ``llm_infer_df``;
         ``dedupe`` here computes identical prompts once per partition (over the whole
-        DataFrame with ``llm_infer_df``, which co-locates them first).
+        DataFrame with ``llm_infer_df``, which co-locates them first). A Column cannot
+        move rows, so the ``co_locate`` option does nothing here: ``co_locate(df, col)``
+        first, or ``llm_infer_df``, which does it by default.
     options: every engine, sampling and prompt option (``llm_operator.options``), e.g.
         ``backend``, ``max_batch_size``, ``max_tokens``, ``temperature``, ``stop``,
         ``seed``, ``chat``, ``system``; ``engine_options`` takes engine options as a mapping.
@@ -220,13 +227,20 @@ def llm_infer_df(
     lacks and TypeError naming columns that do not render (arrays, maps, structs,
     binary). Over the whole DataFrame:
 
+    co_locate (default True): rows sharing a prompt prefix move into one partition first
+        (``co_locate_if_it_helps``: skipped when a sample shows the prompts share no
+        prefixes or the partitions keep each group together already); the decision, the
+        rows moved and the sharing it buys are logged (logger
+        ``llm_operator.integrations``). A group split over k partitions would prefill its
+        prefix k times. False keeps ``df``'s partitions as they are.
     reorder_fields: two Spark jobs (``spark_tables.plan_table``: row count and mean field
         lengths, then exact distinct counts of field sets) choose the order of the
         movable field lines that shares the most prefix; the prompts render in that
-        order and rows are co-located by them (``co_locate``). The order is logged.
-    dedupe: rows are co-located by the prompt, so identical prompts meet in one
+        order and rows are co-located by them (always). The order is logged.
+    dedupe: rows are co-located by the prompt (always), so identical prompts meet in one
         partition, where each is computed once; identical prompts get identical outputs.
-    The output's rows come in the co-located order (Spark keeps no order anyway).
+    Spark promises no row order, and co-location changes it: join on a key column to
+    line the outputs up with anything else. Chat message lists co-locate by their JSON.
     """
     if not isinstance(df, DataFrame):
         raise TypeError(f"df must be a pyspark DataFrame, got {type(df).__name__}")
@@ -244,11 +258,12 @@ def llm_infer_df(
         column = llm_infer(col, **options)  # validates the options first
         prompt_type = df.select(_as_column(col, "col")).schema.fields[0].dataType
         check_prompt_type(prompt_type)
-        if checked.dedupe:  # identical prompts meet, then each partition computes them once
+        if checked.co_locate or checked.dedupe:
             source = _as_column(col, "col")
             if not isinstance(prompt_type, T.StringType):  # chat messages: by their JSON
                 source = F.to_json(source)
-            df = co_locate(df.withColumn(_PROMPT, source), _PROMPT).drop(_PROMPT)
+            frame = _co_located(df.withColumn(_PROMPT, source), checked)
+            df = frame.drop(_PROMPT)
         return df.withColumn(output, column)
     check_prompt_source(col, checked)
     from llm_operator.integrations.spark_tables import plan_table, prompt_column
@@ -259,11 +274,20 @@ def llm_infer_df(
         logger.info("llm_infer_df fields:\n%s", plan.report())
         prompt = plan.chosen
     frame = df.withColumn(_PROMPT, prompt_column(prompt, df))  # checks columns and types
-    if checked.reorder_fields or checked.dedupe:
-        frame = co_locate(frame, _PROMPT)
+    if checked.co_locate or checked.reorder_fields or checked.dedupe:
+        frame = _co_located(frame, checked)
     rest = {k: v for k, v in options.items() if k not in TABLE_PROMPT_OPTIONS}
     rest["reorder_fields"] = False  # done: the prompts are rendered in the chosen order
     return frame.withColumn(output, llm_infer(_PROMPT, **rest)).drop(_PROMPT)
+
+
+def _co_located(frame: DataFrame, options: InferOptions) -> DataFrame:
+    """``frame`` co-located by its ``_PROMPT`` column where that helps (always with dedupe or
+    reorder_fields, which need identical and like prompts to meet); the decision logged."""
+    force = options.dedupe or options.reorder_fields
+    placed, decision = co_locate_if_it_helps(frame, _PROMPT, force=force)
+    logger.info("llm_infer_df %s", decision.report())
+    return placed
 
 
 def llm_estimate(
@@ -544,7 +568,7 @@ def prompt_values(batch: pd.Series) -> list[Any]:
         raise TypeError(f"llm_infer needs a string column, got a column of {dtype} values")
     values: list[Any] = []
     for value in batch.tolist():
-        if isinstance(value, str) or _is_missing(value):
+        if isinstance(value, str) or is_missing(value):
             values.append(value)
         elif isinstance(value, (list, tuple, np.ndarray)) and all(
             isinstance(message, Mapping) for message in value
@@ -632,13 +656,35 @@ def co_locate(
     gives each row a bigint key chosen so that Spark's hash partitioning sends it to its
     assigned partition (``partition_keys``), then ``repartition(n, key)`` (a shuffle of
     an explicit partition count, which adaptive execution leaves as it is). Costs a
-    count, a sample and one shuffle; skip it when rows are already grouped or prompts
-    share little.
+    count, a sample and one shuffle. ``llm_infer_df`` calls it for you unless a sample
+    shows it cannot help (``co_locate_if_it_helps``).
 
     num_partitions: default the partitions of ``df``: ``df.rdd.getNumPartitions()`` on
         classic Spark; on Spark Connect (no RDDs) one more than the highest partition id
         holding a row, found in the job that counts the rows.
     """
+    return co_locate_if_it_helps(
+        df, col, num_partitions, sample_size=sample_size, min_prefix_chars=min_prefix_chars,
+        seed=seed, force=True,
+    )[0]  # fmt: skip
+
+
+def co_locate_if_it_helps(
+    df: DataFrame,
+    col: str | Column,
+    num_partitions: int | None = None,
+    *,
+    sample_size: int = 2000,
+    min_prefix_chars: int = 32,
+    seed: int = 0,
+    force: bool = False,
+) -> tuple[DataFrame, CoLocation]:
+    """``co_locate(df, col, ...)``, unless a sample of the rows, each with the partition it
+    is in, shows that it cannot help: the prompts share no prefixes, or the partitions
+    keep each group together already (``co_location.plan_co_location``). Returns the frame
+    (``df`` itself when skipped) and the decision, whose ``report()`` says how many rows
+    moved and what one plan over the frame shares against its partitions as they came.
+    ``force``: always co-locate. TypeError for a column that is not strings."""
     if not isinstance(df, DataFrame):
         raise TypeError(f"df must be a pyspark DataFrame, got {type(df).__name__}")
     if num_partitions is not None:
@@ -659,15 +705,19 @@ def co_locate(
     total = None
     if partitions is None:  # Spark Connect: the partitions holding rows, with the row count
         total, partitions = _count_rows_and_partitions(frame, key)
-    sample = _sample_prompts(frame, key, sample_size, seed, total)
-    partitioner = build_partitioner(sample, partitions, min_prefix_chars=min_prefix_chars)
+    sample, total = _sample_prompts(frame, key, sample_size, seed, total)
+    decision = plan_co_location(
+        sample, partitions, rows=total, min_prefix_chars=min_prefix_chars, force=force
+    )
+    if decision.skipped is not None:
+        return df, decision
     # each row to exactly its partitioner's partition, as a hash partitioning by a key that
     # hashes to it: the DataFrame API only, so classic Spark and Spark Connect alike
     keys = partition_keys(partitions)
-    placed = frame.withColumn(_PARTITION, _placement(partitioner, keys)(F.col(key)))
+    placed = frame.withColumn(_PARTITION, _placement(decision.partitioner, keys)(F.col(key)))
     placed = placed.repartition(partitions, _PARTITION).drop(_PARTITION)
     result = placed.sortWithinPartitions(key)
-    return result if key is col else result.drop(key)
+    return (result if key is col else result.drop(key)), decision
 
 
 def _partition_count(frame: DataFrame) -> int | None:
@@ -747,20 +797,20 @@ def _placement(partitioner: PrefixPartitioner, keys: list[int]):
 
 def _sample_prompts(
     frame: DataFrame, key: str, sample_size: int, seed: int, total: int | None = None
-) -> list[str]:
-    """Up to ``sample_size`` prompts, the same ones for the same seed and input
-    (``total``: the non-null prompts, when counted already)."""
-    column = frame.select(key).where(F.col(key).isNotNull())
+) -> tuple[list[tuple[str, int]], int]:
+    """Up to ``sample_size`` prompts, each with the partition it is in, the same ones for
+    the same seed and input; and the non-null prompts (``total`` when counted already)."""
+    column = frame.select(key, F.spark_partition_id().alias("part")).where(F.col(key).isNotNull())
     if total is None:
         total = column.count()
     if total > sample_size:
         fraction = min(1.0, 1.2 * sample_size / total)
         column = column.sample(withReplacement=False, fraction=fraction, seed=seed)
-    values = sorted(row[0] for row in column.collect())
+    values = sorted((row[0], row[1]) for row in column.collect())
     if len(values) > sample_size:  # evenly spaced in sorted order: every region stays
         step = len(values) / sample_size
         values = [values[int(i * step)] for i in range(sample_size)]
-    return values
+    return values, total
 
 
 def _prompt_source(col: Any, options: InferOptions) -> Column:

@@ -45,6 +45,7 @@ def add_commands(commands) -> None:
             "host",
             "repro",
             "server",
+            "frames",
         ],
         help="systems (default), planner, fields (field order and dedupe through Spark "
         "local: --tables, --repeat), or decode (decode steps against the floor: "
@@ -61,10 +62,22 @@ def add_commands(commands) -> None:
         "--dtypes, --jobs, "
         "--rows (default 200), --single-rows), or server (a vLLM server fed through Spark "
         "local[2] in plan order against the table's order: --jobs, --rows (default 96), "
-        "--repeat (default 2), --cache-gibs, --concurrency, --faults)",
+        "--repeat (default 2), --cache-gibs, --concurrency, --faults), or frames (Spark "
+        "and Dask llm_infer with and without co-location on shuffled, co-located and "
+        "unshared frames of a tiny model, and SmolLM2 on the demo's tasks: "
+        "--frame-rows, --partitions, --engines, --shapes, --no-smollm2)",
     )
     bench.add_argument(
         "--cache-gibs", default="0.15,2", help="server: the server's KV cache sizes (GiB)"
+    )
+    bench.add_argument("--frame-rows", default="10000,100000", help="frames: rows per frame")
+    bench.add_argument("--partitions", default="4,16", help="frames: partitions per frame")
+    bench.add_argument("--engines", default="spark,dask", help="frames: spark, dask")
+    bench.add_argument(
+        "--shapes", default="shuffled,co-located,no-sharing", help="frames: the frames' shapes"
+    )
+    bench.add_argument(
+        "--no-smollm2", action="store_true", help="frames: leave out the SmolLM2 frames"
     )
     bench.add_argument(
         "--movielens-rows", type=int, help="server: rows of the movielens job (default --rows)"
@@ -254,6 +267,20 @@ def command_bench(args) -> int:
         return 0
     if args.target == "gpu":
         return command_gpu(args)
+    if args.target == "frames":
+        from llm_operator_bench.suites.frames import markdown, run_frames
+
+        report = run_frames(
+            rows=_integers(args.frame_rows, "--frame-rows"),
+            partitions=_integers(args.partitions, "--partitions"),
+            engines=_names(args.engines),
+            shapes=_names(args.shapes),
+            smollm2=not args.no_smollm2,
+            out=args.out,
+            name=args.name or "bench-frames",
+        )
+        print(markdown(report))
+        return 0
     if args.target == "repro":
         from llm_operator_bench.suites.repro import JOBS, run_repro
 

@@ -97,7 +97,7 @@ def test_scheduler_address_runs_on_the_cluster_and_forwards_partition_logs(
         pids = set(client.run(lambda: __import__("os").getpid()).values())
         built = client.run(
             lambda: __import__(
-                "llm_operator.integrations.partition", fromlist=["engine_constructions"]
+                "llm_operator.integrations.worker", fromlist=["engine_constructions"]
             ).engine_constructions()
         )
     assert list(built.values()) == [1]
@@ -124,7 +124,7 @@ def test_existing_client_and_config_address_are_used(cluster, table, tiny_llama_
 
 
 def _constructions() -> int:
-    from llm_operator.integrations.partition import engine_constructions
+    from llm_operator.integrations.worker import engine_constructions
 
     return engine_constructions()
 

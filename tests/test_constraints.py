@@ -171,10 +171,10 @@ def test_constrained_and_free_rows_run_in_one_batch(tiny_llama_dir) -> None:
 def test_bad_constraints_are_refused_before_any_model_loads(kwargs, message) -> None:
     with pytest.raises((ValueError, TypeError), match=message):
         SamplingParams(**kwargs)
-    from llm_operator.integrations import partition as _partition
+    from llm_operator.integrations import infer_options
 
     with pytest.raises((ValueError, TypeError), match=message):
-        _partition.make_options(model="no-such-model", **kwargs)
+        infer_options.make_options(model="no-such-model", **kwargs)
 
 
 def test_choice_trie_jumps_forward_only_when_one_choice_is_left() -> None:

@@ -16,7 +16,7 @@ import torch
 from llm_operator import options as option_table
 from llm_operator.config import EngineConfig
 from llm_operator.engine import factory
-from llm_operator.integrations import devices, partition
+from llm_operator.integrations import devices, worker
 from llm_operator.integrations.devices import (
     Device,
     cuda_index,
@@ -25,6 +25,8 @@ from llm_operator.integrations.devices import (
     task_placement,
     worker_placement,
 )
+from llm_operator.integrations.infer_options import InferOptions
+from llm_operator.sampling import SamplingParams
 
 GIB = 2**30
 
@@ -263,9 +265,9 @@ def fake_engines(monkeypatch):
     import llm_operator
 
     monkeypatch.setattr(llm_operator, "LLMOperator", FakeOperator)
-    monkeypatch.setattr(partition, "_engines", {})
-    monkeypatch.setattr(partition, "_constructions", {})
-    monkeypatch.setattr(partition, "_partition_locks", {})
+    monkeypatch.setattr(worker, "_engines", {})
+    monkeypatch.setattr(worker, "_constructions", {})
+    monkeypatch.setattr(worker, "_partition_locks", {})
     emptied = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
@@ -273,49 +275,47 @@ def fake_engines(monkeypatch):
 
 
 def infer_options(**engine):
-    return partition.InferOptions(
-        model="m", engine=EngineConfig(**engine), sampling=partition.SamplingParams()
-    )
+    return InferOptions(model="m", engine=EngineConfig(**engine), sampling=SamplingParams())
 
 
 def test_a_worker_moved_to_another_gpu_releases_its_old_engine(fake_engines):
     options, other = infer_options(), infer_options(max_batch_size=8)
-    first = partition.get_operator(options, "cuda:0")
-    assert partition.get_operator(options, "cuda:0") is first  # same options and device
-    kept = partition.get_operator(other, "cuda:0")  # other options: not this one's to drop
+    first = worker.get_operator(options, "cuda:0")
+    assert worker.get_operator(options, "cuda:0") is first  # same options and device
+    kept = worker.get_operator(other, "cuda:0")  # other options: not this one's to drop
     assert first.engine["device"] == "cuda:0" and fake_engines == []
-    second = partition.get_operator(options, "cuda:1")
+    second = worker.get_operator(options, "cuda:1")
     assert second is not first and second.engine["device"] == "cuda:1"
     assert first._backend.closed and not kept._backend.closed
     assert fake_engines == [True]  # torch.cuda.empty_cache after the release
-    assert set(partition._engines) == {options.engine_key("cuda:1"), other.engine_key("cuda:0")}
-    assert partition.engine_constructions(options.engine_key("cuda:0")) == 1
-    assert partition.engine_constructions(options.engine_key("cuda:1")) == 1
-    assert partition.engine_constructions() == 3
-    assert partition.get_operator(options, "cuda:1") is second  # reused again
-    assert partition.engine_constructions() == 3
+    assert set(worker._engines) == {options.engine_key("cuda:1"), other.engine_key("cuda:0")}
+    assert worker.engine_constructions(options.engine_key("cuda:0")) == 1
+    assert worker.engine_constructions(options.engine_key("cuda:1")) == 1
+    assert worker.engine_constructions() == 3
+    assert worker.get_operator(options, "cuda:1") is second  # reused again
+    assert worker.engine_constructions() == 3
 
 
 def test_a_busy_engine_is_not_released(fake_engines):
     options = infer_options()
-    first = partition.get_operator(options, "cuda:0")
-    with partition._partition_lock(first):  # another thread runs a partition on it
-        second = partition.get_operator(options, "cuda:1")
+    first = worker.get_operator(options, "cuda:0")
+    with worker._partition_lock(first):  # another thread runs a partition on it
+        second = worker.get_operator(options, "cuda:1")
     assert not first._backend.closed and fake_engines == []
-    assert partition._engines[options.engine_key("cuda:0")] is first
-    assert partition.get_operator(options, "cuda:0") is first
-    partition.get_operator(options, "cpu")  # both idle now: both released
+    assert worker._engines[options.engine_key("cuda:0")] is first
+    assert worker.get_operator(options, "cuda:0") is first
+    worker.get_operator(options, "cpu")  # both idle now: both released
     assert first._backend.closed and second._backend.closed
-    assert list(partition._engines) == [options.engine_key("cpu")]
+    assert list(worker._engines) == [options.engine_key("cpu")]
 
 
 def test_the_device_share_reaches_the_engine(fake_engines):
-    shared = partition.get_operator(infer_options(), Device("cuda:1", 0.25))
+    shared = worker.get_operator(infer_options(), Device("cuda:1", 0.25))
     assert shared.engine["device"] == "cuda:1" and type(shared.engine["device"]) is str
     assert shared.engine["gpu_share"] == 0.25
-    chosen = partition.get_operator(infer_options(gpu_share=0.5), Device("cuda:1", 0.25))
+    chosen = worker.get_operator(infer_options(gpu_share=0.5), Device("cuda:1", 0.25))
     assert chosen.engine["gpu_share"] == 0.5  # the option wins
-    whole = partition.get_operator(infer_options(max_batch_size=4), "cuda:1")
+    whole = worker.get_operator(infer_options(max_batch_size=4), "cuda:1")
     assert whole.engine["gpu_share"] is None
 
 

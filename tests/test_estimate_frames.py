@@ -20,7 +20,8 @@ from llm_operator.integrations.estimate_frames import (
     makespan,
     predict_partition,
 )
-from llm_operator.integrations.partition import get_operator, make_options
+from llm_operator.integrations.infer_options import make_options
+from llm_operator.integrations.worker import get_operator
 
 MAX_TOKENS = 6
 INSTRUCTIONS = (

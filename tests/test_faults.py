@@ -185,7 +185,7 @@ def _killing_llm_udf(options_kwargs: dict, marker: str, partition: int, after_fr
     Python worker of its own, so the LLM worker is reached by running its UDF body here.)"""
     from pyspark.sql import functions as F
 
-    from llm_operator.integrations.partition import make_options
+    from llm_operator.integrations.infer_options import make_options
     from llm_operator.integrations.spark import RESULT_TYPE
 
     options = make_options(**options_kwargs)

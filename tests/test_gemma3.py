@@ -139,9 +139,9 @@ def _job(rows: int) -> list[str]:
 
 @pytest.mark.slow
 def test_gemma3_270m_matches_hf_generate_over_a_shared_prefix(gemma3_dir):
-    """64 rows behind a shared prefix of ~900 tokens (its sliding layers see 512): the
+    """16 rows behind a shared prefix of ~900 tokens (its sliding layers see 512): the
     native engine (this CPU's default kernels) gives HF's greedy tokens on every row."""
-    prompts = _job(64)
+    prompts = _job(16)
     op = LLMOperator(gemma3_dir, backend="native")
     results = op.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
     assert op.last_stats.backend == "native"
@@ -150,7 +150,7 @@ def test_gemma3_270m_matches_hf_generate_over_a_shared_prefix(gemma3_dir):
     window = op.model_info.config.sliding_window
     assert window == 512 and len(prefix) > window + 256
     stats = op.last_stats
-    assert stats.prefill_tokens_computed < stats.prompt_tokens / 10  # the prefix ran once
+    assert stats.prefill_tokens_computed < stats.prompt_tokens / 5  # the prefix ran once
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(gemma3_dir, dtype=torch.float32).eval()

@@ -105,7 +105,7 @@ def _assert_says_what_to_do(message: str, repo_id: str, cache: Path) -> None:
 
 
 def test_a_missing_hub_id_fails_on_the_driver_naming_cache_and_fix(published, hub_cache) -> None:
-    from llm_operator.integrations.partition import make_options
+    from llm_operator.integrations.infer_options import make_options
 
     missing = "tiny-org/missing"
     with pytest.raises(ValueError) as caught:
@@ -165,7 +165,7 @@ def test_spark_and_dask_refuse_a_missing_hub_id_before_any_job(hub_cache, spark)
 
 DRIVER_SCRIPT = """
 import json, sys
-from llm_operator.integrations.partition import make_options
+from llm_operator.integrations.infer_options import make_options
 try:
     make_options(model="org/missing", max_tokens=4)
     raised = None

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from llm_operator.integrations.json_values import ANY, ValueType, parse_value, value_type
-from llm_operator.integrations.partition import result_records
+from llm_operator.integrations.worker import result_records
 from llm_operator.results import GenerationResult
 
 STRING, INTEGER = ValueType("string"), ValueType("integer")

@@ -16,7 +16,7 @@ import pytest
 from llm_operator import EngineConfig, LLMOperator, SamplingParams
 from llm_operator import options as option_table
 from llm_operator.cli import build_parser, main
-from llm_operator.integrations import partition as _partition
+from llm_operator.integrations import infer_options, worker
 from llm_operator.prompts.options import PromptOptions
 
 # A value other than the default for every option; a new option must add one here.
@@ -59,6 +59,7 @@ PROBES = {
     "chat": True,
     "system": "Be brief.",
     "dedupe": True,
+    "co_locate": False,
 }
 # prompts built from columns: template and columns exclude each other and a prompt column
 TABLE_VARIANTS = [
@@ -109,7 +110,7 @@ DEFAULTS = {
     },
     PromptOptions: {
         "chat": "auto", "system": None, "template": None, "columns": None,
-        "instruction": None, "reorder_fields": False, "dedupe": False,
+        "instruction": None, "reorder_fields": False, "dedupe": False, "co_locate": True,
     },
 }  # fmt: skip
 
@@ -220,7 +221,7 @@ def test_a_bad_value_is_refused_by_every_entry_point(bad) -> None:
 
     (name,) = bad
     for call in (
-        lambda: _partition.make_options(model="m", **bad),
+        lambda: infer_options.make_options(model="m", **bad),
         lambda: spark.llm_infer("prompt", model="m", **bad),
         lambda: dask.llm_infer(_dask_frame(), "prompt", model="m", **bad),
     ):
@@ -230,7 +231,7 @@ def test_a_bad_value_is_refused_by_every_entry_point(bad) -> None:
 
 def test_an_unknown_option_is_refused_naming_it() -> None:
     with pytest.raises(TypeError, match="max_batch"):
-        _partition.make_options(model="m", max_batch=3)
+        infer_options.make_options(model="m", max_batch=3)
     with pytest.raises(TypeError, match="max_batch"):
         LLMOperator("no-such-model", max_batch=3)
 
@@ -240,7 +241,7 @@ def test_an_unknown_option_is_refused_naming_it() -> None:
     [
         lambda: SamplingParams(max_token=8),
         lambda: EngineConfig(max_batchsize=8),
-        lambda: _partition.make_options(model="m", max_token=8),
+        lambda: infer_options.make_options(model="m", max_token=8),
         lambda: LLMOperator("no-such-model", max_batchsize=8),
     ],
 )
@@ -278,10 +279,10 @@ def test_the_command_line_decodes_escapes_and_takes_inline_json(tmp_path) -> Non
 
 def test_every_option_reaches_the_worker_operator(tiny_llama_dir) -> None:
     """InferOptions -> the worker's LLMOperator (get_operator) and its sampling."""
-    options = _partition.make_options(model=str(tiny_llama_dir), **PROBES)
+    options = infer_options.make_options(model=str(tiny_llama_dir), **PROBES)
     expected = _expected(tiny_llama_dir)
     assert options == expected
-    operator = _partition.get_operator(options)
+    operator = worker.get_operator(options)
     for option in option_table.scope("engine"):
         assert getattr(operator.config, option.name) == getattr(expected.engine, option.name)
     for template in (True, False):  # chat=True: messages, with or without a template
@@ -290,15 +291,16 @@ def test_every_option_reaches_the_worker_operator(tiny_llama_dir) -> None:
         ]
 
 
-def _expected(model: Path, probes: dict = PROBES) -> _partition.InferOptions:
+def _expected(model: Path, probes: dict = PROBES) -> infer_options.InferOptions:
     scoped = option_table.split(probes)
-    return _partition.InferOptions(
+    return infer_options.InferOptions(
         model=str(model),
         engine=EngineConfig(**scoped["engine"]),
         sampling=SamplingParams(**scoped["sampling"]),
         chat=True,
         system="Be brief.",
         dedupe=True,
+        co_locate=scoped["prompt"].get("co_locate", True),
     )
 
 
@@ -309,7 +311,7 @@ class _Captured(Exception):
 def _spy(monkeypatch, after_calls: int) -> list:
     """Record every make_options result; stop the job at call number ``after_calls``."""
     seen: list = []
-    real = _partition.make_options
+    real = infer_options.make_options
 
     def spy(**kwargs):
         seen.append(real(**kwargs))
@@ -319,7 +321,7 @@ def _spy(monkeypatch, after_calls: int) -> list:
 
     from llm_operator.integrations import dask, spark
 
-    for module in (_partition, spark, dask):
+    for module in (infer_options, spark, dask):
         monkeypatch.setattr(module, "make_options", spy)
     return seen
 
@@ -436,7 +438,7 @@ def test_the_table_options_reach_every_entry_point(
 
     given = {k: v for k, v in variant.items() if k != "reorder_fields"}
     expected = TablePrompt.build(**given)
-    options = _partition.make_options(model="m", **variant)
+    options = infer_options.make_options(model="m", **variant)
     assert (options.table, options.reorder_fields) == (expected, True)
     seen = _spy(monkeypatch, after_calls=99)
     # Spark's llm_infer makes a column (reordering needs llm_infer_df and the whole frame)
@@ -464,15 +466,15 @@ def test_chat_auto_wraps_strings_only_for_a_model_with_a_chat_template(tiny_llam
     chat=False keeps raw text even with a template; a bad value is refused up front."""
     from llm_operator.prompts.encode import as_chat
 
-    auto = _partition.make_options(model=str(tiny_llama_dir))
+    auto = infer_options.make_options(model=str(tiny_llama_dir))
     assert auto.chat == "auto"
     user = [{"role": "user", "content": "hi"}]
     assert auto.prompts(["hi", None, ""], True) == [user, None, ""]
     assert auto.prompts(["hi"], False) == ["hi"]
-    raw = _partition.make_options(model=str(tiny_llama_dir), chat=False)
+    raw = infer_options.make_options(model=str(tiny_llama_dir), chat=False)
     assert raw.prompts(["hi"], True) == ["hi"]
-    system = _partition.make_options(model=str(tiny_llama_dir), system="Be brief.")
+    system = infer_options.make_options(model=str(tiny_llama_dir), system="Be brief.")
     assert system.prompts(["hi"], False)[0][0] == {"role": "system", "content": "Be brief."}
     assert as_chat(["hi"], chat="auto", chat_template=True) == [user]
     with pytest.raises(ValueError, match='chat must be True, False or "auto"'):
-        _partition.make_options(model=str(tiny_llama_dir), chat="yes")
+        infer_options.make_options(model=str(tiny_llama_dir), chat="yes")

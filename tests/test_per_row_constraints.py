@@ -18,7 +18,7 @@ from helpers import chat_wrapped
 from llm_operator import LLMOperator, SamplingParams
 from llm_operator.cli.main import main
 from llm_operator.integrations import dask as llm_dask
-from llm_operator.integrations.partition import make_options, row_sampling
+from llm_operator.integrations.infer_options import make_options, row_sampling
 
 MAX_TOKENS = 12
 SENTIMENT = ["positive", "negative", "neutral"]

@@ -23,8 +23,8 @@ from pyspark.sql import types as T  # noqa: E402
 
 import llm_operator.integrations.spark as spark_module  # noqa: E402
 from llm_operator import LLMOperator, SamplingParams  # noqa: E402
+from llm_operator.integrations.infer_options import RESULT_FIELDS, make_options  # noqa: E402
 from llm_operator.integrations.json_values import value_type  # noqa: E402
-from llm_operator.integrations.partition import RESULT_FIELDS, make_options  # noqa: E402
 from llm_operator.integrations.spark import (  # noqa: E402
     RESULT_TYPE,
     check_prompt_type,
@@ -414,7 +414,7 @@ def test_engine_is_built_once_per_python_worker(spark, frame, model_dir):
 
     @F.pandas_udf("string")
     def probe(batches: Iterator[pd.Series]) -> Iterator[pd.Series]:
-        from llm_operator.integrations.partition import engine_constructions
+        from llm_operator.integrations.worker import engine_constructions
 
         time.sleep(0.1)  # keep both task slots busy, so every idle worker gets a task
         for batch in batches:

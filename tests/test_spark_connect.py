@@ -29,7 +29,7 @@ from pyspark.sql import functions as F  # noqa: E402
 
 from llm_operator import LLMOperator, SamplingParams  # noqa: E402
 from llm_operator.integrations import spark_session  # noqa: E402
-from llm_operator.integrations.partition import RESULT_FIELDS  # noqa: E402
+from llm_operator.integrations.infer_options import RESULT_FIELDS  # noqa: E402
 from llm_operator.integrations.spark import (  # noqa: E402
     _partition_count,
     co_locate,

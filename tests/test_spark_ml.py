@@ -25,7 +25,7 @@ from pyspark.ml.feature import SQLTransformer  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
 
 from llm_operator import LLMOperator, SamplingParams  # noqa: E402
-from llm_operator.integrations.partition import RESULT_FIELDS  # noqa: E402
+from llm_operator.integrations.infer_options import RESULT_FIELDS  # noqa: E402
 from llm_operator.integrations.spark import llm_infer, llm_infer_df  # noqa: E402
 from llm_operator.integrations.spark_ml import (  # noqa: E402
     DEFAULT_OUTPUT_COL,

@@ -403,22 +403,22 @@ def test_field_pieces_merge_adjacent_text() -> None:
 
 # -- statistics log and the bench's tables ----------------------------------------------
 def test_each_partition_appends_its_statistics_to_the_log(tiny_llama_dir, tmp_path):
-    from llm_operator.integrations import partition as _partition
+    from llm_operator.integrations import infer_options, worker
 
     log = tmp_path / "partitions.jsonl"
-    options = _partition.make_options(
+    options = infer_options.make_options(
         model=str(tiny_llama_dir), max_tokens=2, dedupe=True, stats_log=str(log)
     )
-    results = _partition.run_partition(["one", "two", "one", None], options, label="p7")
+    results = worker.run_partition(["one", "two", "one", None], options, label="p7")
     assert results[0] == results[2] and results[3].finish_reason == "error"
     (line,) = [json.loads(text) for text in log.read_text().splitlines()]
-    stats = _partition.get_operator(options).last_stats
+    stats = worker.get_operator(options).last_stats
     assert line["label"] == "p7" and line["rows"] == 4 and line["distinct_prompts"] == 3
     assert line["prefill_tokens"] == stats.prefill_tokens_computed > 0
     assert line["output_tokens"] == stats.output_tokens and line["error_rows"] == 1
     # the log is no engine setting: the same engine serves the options without it
-    plain = _partition.make_options(model=str(tiny_llama_dir), max_tokens=2, dedupe=True)
-    assert _partition.get_operator(plain) is _partition.get_operator(options)
+    plain = infer_options.make_options(model=str(tiny_llama_dir), max_tokens=2, dedupe=True)
+    assert worker.get_operator(plain) is worker.get_operator(options)
 
 
 def test_the_table_rows_workload_renders_from_its_table(tiny_tokenizer_dir) -> None:
@@ -485,7 +485,7 @@ def test_dask_counts_past_the_exact_budget_are_approximate(monkeypatch) -> None:
 def test_co_location_splits_groups_only_when_whole_groups_cannot_balance() -> None:
     import collections
 
-    from llm_operator.integrations.partition import BALANCE, build_partitioner
+    from llm_operator.integrations.co_location import BALANCE, build_partitioner
 
     def table(groups: int, rows: int) -> list[str]:
         return [

@@ -596,7 +596,7 @@ def test_vllm_backend_without_vllm_says_how_to_get_it(tiny_llama_dir: Path) -> N
 
 
 def test_vllm_options_are_kept_hashable_and_pass_through_engine_options() -> None:
-    from llm_operator.integrations.partition import make_options
+    from llm_operator.integrations.infer_options import make_options
 
     config = EngineConfig(backend="vllm", vllm_options={"max_model_len": 512, "block_size": 32})
     assert config.vllm_options == (("block_size", 32), ("max_model_len", 512))

@@ -18,6 +18,7 @@ class Generated(NamedTuple):
     results: list  # GenerationResult per prompt, in input order
     seconds: float
     stats: Any  # the operator's RunStats on the local engine; None on spark and dask
+    co_location: str | None = None  # spark and dask: what co-location did (its report)
 
 
 def generate(
@@ -44,7 +45,8 @@ def generate(
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
         raise ValueError(f"partitions must be an int >= 1, got {partitions!r}")
-    from llm_operator.integrations.partition import get_operator, make_options
+    from llm_operator.integrations.infer_options import make_options
+    from llm_operator.integrations.worker import get_operator
 
     checked = make_options(model=model, **options)  # every option checked before any work
     if checked.constraint_col is not None:
@@ -53,11 +55,11 @@ def generate(
             raise ValueError(f"{kind}_col: give one constraint value per prompt")
         constraints = constraint_cells(kind, constraints)
     started = time.perf_counter()
-    stats = None
+    stats = co_location = None
     if engine == "local":
         operator = get_operator(checked)
         if checked.constraint_col is not None:
-            from llm_operator.integrations.partition import run_partition
+            from llm_operator.integrations.worker import run_partition
 
             # each row's SamplingParams; a bad constraint value is that row's error
             results = run_partition(list(prompts), checked, label="local", constraints=constraints)
@@ -69,11 +71,13 @@ def generate(
         # workers report one log line per partition; their progress bars would interleave
         worker_options = {"model": model, **options, "progress": False}
         if engine == "spark":
-            results = _spark(prompts, worker_options, partitions, master, constraints)
+            results, co_location = _spark(prompts, worker_options, partitions, master, constraints)
         else:
             progress = checked.engine.progress
-            results = _dask(prompts, worker_options, partitions, scheduler, progress, constraints)
-    return Generated(results, time.perf_counter() - started, stats)
+            results, co_location = _dask(
+                prompts, worker_options, partitions, scheduler, progress, constraints
+            )
+    return Generated(results, time.perf_counter() - started, stats, co_location)
 
 
 def _to_result(record: Mapping[str, Any]):
@@ -99,11 +103,11 @@ def _spark(
     partitions: int,
     master: str | None = None,
     constraints: Sequence[Any] | None = None,
-) -> list:
+) -> tuple[list, str | None]:
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
 
-    from llm_operator.integrations.spark import co_locate, llm_infer
+    from llm_operator.integrations.spark import co_locate_if_it_helps, llm_infer
     from llm_operator.integrations.spark_session import session
 
     spark = session(partitions, master)  # local[partitions], a master URL or sc://
@@ -125,8 +129,12 @@ def _spark(
         fields.append(T.StructField(name, cell_type))
         data = [(row, value, cell) for (row, value), cell in zip(data, cells)]
     frame = spark.createDataFrame(data, T.StructType(fields)).repartition(partitions)
-    # chat rows co-locate by their messages as JSON (system and shared turns come first)
-    frame = co_locate(frame, F.to_json("prompt") if chat else "prompt", partitions)
+    report = None
+    if infer_kwargs.get("co_locate", True):
+        # chat rows co-locate by their messages as JSON (system and shared turns come first)
+        key = F.to_json("prompt") if chat else "prompt"
+        frame, decision = co_locate_if_it_helps(frame, key, partitions)
+        report = decision.report()
     # the table keeps the JSON text: no typed value (so any schema the engine compiles works)
     out = frame.select("row", llm_infer("prompt", value=False, **infer_kwargs).alias("out"))
     rows = sorted(out.collect(), key=lambda r: r["row"])
@@ -140,7 +148,7 @@ def _spark(
                     "this Spark column holds chat message lists; a plain string cannot join it"
                 )
                 results[i] = GenerationResult.failed(message)
-    return _restore_type_errors(prompts, results)
+    return _restore_type_errors(prompts, results), report
 
 
 def dask_client(scheduler: str | None = None):
@@ -187,23 +195,15 @@ def _dask(
     scheduler: str | None = None,
     progress: bool = False,
     constraints: Sequence[Any] | None = None,
-) -> list:
+) -> tuple[list, str | None]:
     import dask
     import dask.dataframe as dd
     import pandas as pd
 
-    from llm_operator.integrations.dask import co_locate, llm_infer
+    from llm_operator.integrations.dask import co_locate_if_it_helps, llm_infer
 
     values = [p if isinstance(p, (str, list)) else None for p in prompts]
-    # chat rows co-locate by their messages as JSON (system and shared turns come first)
-    keys = [json.dumps(p) if isinstance(p, list) else p for p in values]
-    frame = pd.DataFrame(
-        {
-            "row": range(len(prompts)),
-            "prompt": pd.Series(values, dtype=object),
-            "key": pd.Series(keys, dtype=object),
-        }
-    )
+    frame = pd.DataFrame({"row": range(len(prompts)), "prompt": pd.Series(values, dtype=object)})
     if constraints is not None:  # each row's constraint, in a column named as the option says
         infer_kwargs, name = _constraint_column(infer_kwargs)
         frame[name] = pd.Series(list(constraints), dtype=object)
@@ -215,7 +215,11 @@ def _dask(
     try:
         with dask.config.set(settings):
             ddf = dd.from_pandas(frame, npartitions=partitions)
-            ddf = co_locate(ddf, "key", partitions)
+            report = None
+            if infer_kwargs.get("co_locate", True):  # the rows are put back in order below
+                ddf, decision = co_locate_if_it_helps(ddf, "prompt", partitions)
+                report = decision.report()
+            infer_kwargs = {**infer_kwargs, "co_locate": False}
             ddf = llm_infer(ddf, "prompt", output="out", value=False, **infer_kwargs)
             computed = _compute_with_progress(ddf, client, progress)
     finally:
@@ -236,7 +240,7 @@ def _dask(
         )
         for r in computed.to_dict("records")
     ]
-    return _restore_type_errors(prompts, results)
+    return _restore_type_errors(prompts, results), report
 
 
 def _compute_with_progress(ddf, client, progress: bool):
@@ -250,7 +254,7 @@ def _compute_with_progress(ddf, client, progress: bool):
 
         with ProgressBar(dt=1.0):
             return ddf.compute()
-    from llm_operator.integrations.partition import logger
+    from llm_operator.integrations.worker import logger
 
     client.forward_logging(logger.name)  # the workers' partition lines, here
     future = client.compute(ddf)

@@ -311,10 +311,11 @@ def command_run(args) -> int:
     if deduplicate:
         prompts, positions, constraints = _dedupe_rows(prompts, constraints)
         print(f"dedupe: {len(positions)} rows, {len(prompts)} distinct prompts to compute")
+    co_location = None
     if args.checkpoint is not None:
         results, seconds, stats = _run_checkpointed(args, prompts, options, constraints)
     else:
-        results, seconds, stats = generate(
+        results, seconds, stats, co_location = generate(
             prompts,
             engine=args.engine,
             model=args.model,
@@ -335,7 +336,10 @@ def command_run(args) -> int:
         choice_logprobs=with_scores and with_choices,
     )
     write_table(table, args.output)
-    print(f"{summary(results, seconds, args.engine, stats)}; wrote {args.output}")
+    line = summary(results, seconds, args.engine, stats)
+    if co_location is not None:
+        line += f"; {co_location}"
+    print(f"{line}; wrote {args.output}")
     return 0
 
 
@@ -472,7 +476,7 @@ def _run_checkpointed(args, prompts: list, options: dict, constraints: list | No
     if done:
         print(f"checkpoint: {done} of {len(checkpoint.chunks())} chunks done already")
     for start, end in missing:
-        results, _, stats = generate(
+        results, _, stats, _ = generate(
             prompts[start:end],
             engine=args.engine,
             model=args.model,

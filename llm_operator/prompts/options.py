@@ -1,4 +1,5 @@
-"""Prompt options: how a column value becomes a prompt (Spark, Dask and the CLI).
+"""Prompt options: how a column value becomes a prompt, and how a frame's rows meet (Spark,
+Dask and the CLI).
 
 Frozen and validated on construction, like ``EngineConfig`` and ``SamplingParams``; each
 field is one option of the ``prompt`` scope of ``llm_operator.options``. Imports nothing
@@ -65,6 +66,15 @@ class PromptOptions:
         False,
         doc="reorder the movable field lines (one field per line, in a run of such lines) to "
         "share the most prefix over the whole table, and co-locate rows by the prompt",
+        check=boolean,
+        cli="flag",
+    )
+    co_locate: bool = option(
+        True,
+        doc="move rows that share a prompt prefix into one partition before a Spark or Dask "
+        "job (llm_infer_df, Dask llm_infer, LLMTransformer, the CLI's spark and dask "
+        "engines), unless a sample shows it cannot help (logged); False keeps the "
+        "frame's partitions",
         check=boolean,
         cli="flag",
     )

@@ -167,6 +167,8 @@ def build_records(
             )
             if run.get("decode_profile") is not None:
                 record["decode_profile"] = run["decode_profile"]
+            if run.get("engine_paths"):
+                record["engine_paths"] = run["engine_paths"]
             if decode is not None and w.get("gold") is not None:
                 labels[(spec.name, w["name"])] = output_labels(w, generated, decode)
                 record.update(label_figures(labels[(spec.name, w["name"])], w["gold"]))

@@ -160,6 +160,8 @@ class OperatorSystem:
             "prefill_tokens_computed": stats.prefill_tokens_computed,
             "output_tokens": stats.output_tokens,
         }
+        if stats.engine_paths:  # how the native engine ran its steps
+            outcome["engine_paths"] = stats.engine_paths
         decode = backend_decode_profile(self.operator.backend())
         if decode is not None:
             outcome["decode_profile"] = decode

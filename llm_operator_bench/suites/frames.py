@@ -1,0 +1,272 @@
+"""Co-location by default, measured on whole frames: ``llm-operator bench frames``.
+
+Spark (local mode, 2 task slots) and Dask (a LocalCluster of 2 single-threaded worker
+processes) run the same frames through ``llm_infer_df`` and Dask's ``llm_infer`` twice:
+with the default (rows sharing a prefix co-located first, unless a sample shows it
+cannot help) and with ``co_locate=False`` (the frame's partitions as they are). A tiny
+random model keeps the model's share small, so the shuffle's cost shows. Three shapes:
+
+    shuffled     groups of rows that share a long instruction, scattered over partitions
+    co-located   the same groups, each already whole in one partition
+    no-sharing   prompts that share nothing
+
+and the same on SmolLM2 with the demo's bundled reviews and tickets (few-shot tasks,
+chat messages), shuffled. Each run writes its output (Spark: Parquet; Dask: computed),
+and the partitions' statistics log (``stats_log``) gives the prefill computed.
+
+    llm-operator bench frames --rows 10000,100000 --partitions 4,16
+
+Results go to ``<out>/<name>.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+SHAPES = ("shuffled", "co-located", "no-sharing")
+GROUP_ROWS = 100  # rows per group of a sharing shape
+TOPICS = ("battery", "shipping", "refund", "login", "screen", "printer", "tent", "blender",
+          "router", "kettle", "camera", "mattress", "jacket", "charger", "headphones", "drill")  # fmt: skip
+MAX_TOKENS = 2
+
+
+def prompt_text(row: int, rows: int, shape: str) -> str:
+    """Row ``row``'s prompt in a frame of ``rows`` rows of ``shape``: a group's shared
+    instruction (about 40 tokens), then a short part of its own."""
+    groups = max(1, rows // GROUP_ROWS)
+    if shape == "no-sharing":
+        return f"{row * 7919 % 1000003} {TOPICS[row % 16]} review: it broke after {row} days."
+    if shape == "shuffled":  # a group's rows spread evenly over every partition
+        group = (row * 2654435761) % groups
+    else:  # contiguous rows: range partitions hold whole groups
+        group = row * groups // rows
+    topic = TOPICS[group % len(TOPICS)]
+    return (
+        f"Task {group}: you label messages about the {topic}. Read the message, then answer "
+        f"with one word for the problem, one for the mood and one for the urgency of the "
+        f"{topic} case number {group}. Message {row}: the {topic} broke on day {row % 97}."
+    )
+
+
+def build_model(path: Path) -> Path:
+    """A tiny random Llama with a tokenizer trained on these prompts' words."""
+    from llm_operator_bench.testing import tiny
+
+    if (path / "model.safetensors").exists():
+        return path
+    corpus = [prompt_text(row, 2000, shape) for row in range(2000) for shape in SHAPES]
+    tokenizer_dir = tiny.build_tiny_tokenizer(path / "tokenizer", corpus, vocab_size=400)
+    return tiny.build_tiny_model(path, "llama", tokenizer_dir, 0)
+
+
+def _prefill(log: Path) -> int:
+    if not log.exists():
+        return 0
+    return sum(json.loads(line)["prefill_tokens"] for line in log.read_text().splitlines())
+
+
+def spark_run(spark, model: str, prompts_of, rows: int, partitions: int, options: dict,
+              work: Path) -> dict[str, Any]:  # fmt: skip
+    """One frame through ``llm_infer_df``: seconds, rows/s, prefill computed."""
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+
+    from llm_operator.integrations.spark import llm_infer_df
+
+    log = work / f"spark-{time.monotonic_ns()}.jsonl"
+    text = F.udf(lambda row: prompts_of(row), T.StringType())
+    df = spark.range(rows, numPartitions=partitions).withColumn("prompt", text("id"))
+    path = str(work / "spark-output.parquet")
+    started = time.perf_counter()  # co-location's count and sample included
+    out = llm_infer_df(df, "prompt", model=model, stats_log=str(log), **options)
+    out.select("id", "out.text", "out.finish_reason").write.mode("overwrite").parquet(path)
+    seconds = time.perf_counter() - started
+    written = spark.read.parquet(path)
+    check = written.agg(
+        F.count("*").alias("rows"),
+        F.countDistinct("id").alias("ids"),
+        F.sum((F.col("finish_reason") == "error").cast("long")).alias("errors"),
+    ).first()
+    return _result(rows, seconds, log, check["rows"], check["ids"], check["errors"])
+
+
+def _dask_piece(piece: tuple[int, int, Any]):
+    import pandas as pd
+
+    start, stop, prompts_of = piece
+    ids = range(start, stop)
+    prompts = pd.array([prompts_of(row) for row in ids], dtype=object)
+    return pd.DataFrame(
+        {"id": pd.array(list(ids), dtype="int64"), "prompt": prompts},
+        index=pd.RangeIndex(start, stop),
+    )
+
+
+def dask_run(client, model: str, prompts_of, rows: int, partitions: int, options: dict,
+             work: Path) -> dict[str, Any]:  # fmt: skip
+    """One frame through Dask's ``llm_infer`` on the client's cluster."""
+    import dask.dataframe as dd
+
+    from llm_operator.integrations.dask import llm_infer
+
+    log = work / f"dask-{time.monotonic_ns()}.jsonl"
+    bounds = [rows * part // partitions for part in range(partitions + 1)]
+    pieces = [(bounds[p], bounds[p + 1], prompts_of) for p in range(partitions)]
+    ddf = dd.from_map(_dask_piece, pieces, meta=_dask_piece((0, 0, prompts_of)))
+    started = time.perf_counter()  # co-location's sample pass included
+    out = llm_infer(ddf, "prompt", output="out", model=model, stats_log=str(log), **options)
+    result = out[["id", "out_finish_reason"]].compute()
+    seconds = time.perf_counter() - started
+    errors = int((result["out_finish_reason"] == "error").sum())
+    return _result(rows, seconds, log, len(result), result["id"].nunique(), errors)
+
+
+def _result(rows, seconds, log, got, ids, errors) -> dict[str, Any]:
+    assert got == rows and ids == rows, f"{rows} rows in, {got} out ({ids} distinct ids)"
+    return {
+        "seconds": round(seconds, 3),
+        "rows_per_second": round(rows / seconds, 1),
+        "prefill_tokens": _prefill(log),
+        "error_rows": int(errors),
+    }
+
+
+class _Prompts:
+    """A picklable ``row -> prompt`` for one frame (workers build the rows)."""
+
+    def __init__(self, rows: int, shape: str) -> None:
+        self.rows, self.shape = rows, shape
+
+    def __call__(self, row: int) -> str:
+        return prompt_text(int(row), self.rows, self.shape)
+
+
+def run_frames(
+    *,
+    rows: list[int],
+    partitions: list[int],
+    engines: list[str],
+    shapes: list[str],
+    smollm2: bool,
+    out: Path,
+    name: str,
+) -> dict[str, Any]:
+    """Every (engine, rows, partitions, shape) with and without co-location, then SmolLM2;
+    writes ``out/name.json`` and ``.md``."""
+    import platform
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    work = Path(tempfile.mkdtemp(prefix="llm-operator-frames-"))
+    model = str(build_model(work / "tiny"))
+    report: dict[str, Any] = {"machine": platform.processor() or platform.machine(), "runs": []}
+    modes = {"default": {}, "co_locate=False": {"co_locate": False}}
+    for engine in engines:
+        runner, handle, close = _engine(engine)
+        try:
+            # warm-up: every worker builds its engine once
+            runner(handle, model, _Prompts(200, "shuffled"), 200, 2, {"max_tokens": 1}, work)
+            for count in rows:
+                for parts in partitions:
+                    for shape in shapes:
+                        for mode, extra in modes.items():
+                            options = {"max_tokens": MAX_TOKENS, **extra}
+                            result = runner(
+                                handle, model, _Prompts(count, shape), count, parts, options, work
+                            )
+                            run = {"engine": engine, "model": "tiny", "rows": count,
+                                   "partitions": parts, "shape": shape, "mode": mode, **result}  # fmt: skip
+                            report["runs"].append(run)
+                            print(json.dumps(run), flush=True)
+            if smollm2:
+                report["runs"] += _smollm2_runs(engine, runner, handle, work, modes)
+        finally:
+            close()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{name}.md").write_text(markdown(report))
+    return report
+
+
+def _smollm2_runs(engine, runner, handle, work, modes) -> list[dict[str, Any]]:
+    """The demo's reviews and tickets (few-shot tasks) as one chat prompt JSON per row."""
+    from llm_operator.cli.demo_data import build_demo_rows
+
+    rows = build_demo_rows()  # system + user message: one text, as a user message
+    texts = ["\n\n".join(m["content"] for m in row["messages"]) for row in rows]
+    prompts_of = _Listed(texts)
+    results = []
+    for mode, extra in modes.items():
+        options = {"max_tokens": 4, **extra}
+        result = runner(handle, "smollm2-135m-instruct", prompts_of, len(texts), 4, options, work)
+        run = {"engine": engine, "model": "smollm2-135m-instruct", "rows": len(texts),
+               "partitions": 4, "shape": "demo tasks, shuffled", "mode": mode, **result}  # fmt: skip
+        print(json.dumps(run), flush=True)
+        results.append(run)
+    return results
+
+
+class _Listed:
+    """``row -> prompt`` over a list, in a shuffled order (groups spread over partitions)."""
+
+    def __init__(self, texts: list[str]) -> None:
+        import random
+
+        self.texts = list(texts)
+        random.Random(0).shuffle(self.texts)
+
+    def __call__(self, row: int) -> str:
+        return self.texts[int(row)]
+
+
+def _engine(engine: str):
+    """(runner, handle, close) for ``engine``."""
+    if engine == "spark":
+        from llm_operator.integrations.spark_session import local_session
+
+        spark = local_session(2, "llm-operator-bench-frames")
+        return spark_run, spark, spark.stop
+    if engine == "dask":
+        from distributed import Client, LocalCluster
+
+        cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True)
+        client = Client(cluster)
+
+        def close() -> None:
+            client.close()
+            cluster.close()
+
+        return dask_run, client, close
+    raise ValueError(f"engine must be spark or dask, got {engine!r}")
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """One line per frame: both modes side by side."""
+    lines = [
+        "| engine | model | rows | partitions | shape | default s | rows/s | prefill | "
+        "co_locate=False s | rows/s | prefill | speed-up | prefill ratio |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    keyed: dict[tuple, dict[str, dict]] = {}
+    for run in report["runs"]:
+        key = (run["engine"], run["model"], run["rows"], run["partitions"], run["shape"])
+        keyed.setdefault(key, {})[run["mode"]] = run
+    for key, modes in keyed.items():
+        on, off = modes.get("default"), modes.get("co_locate=False")
+        if on is None or off is None:
+            continue
+        speed = off["seconds"] / on["seconds"] if on["seconds"] else 0.0
+        ratio = on["prefill_tokens"] / off["prefill_tokens"] if off["prefill_tokens"] else 0.0
+        lines.append(
+            f"| {' | '.join(str(k) for k in key[:2])} | {key[2]:,} | {key[3]} | {key[4]} | "
+            f"{on['seconds']:.1f} | {on['rows_per_second']:,.0f} | {on['prefill_tokens']:,} | "
+            f"{off['seconds']:.1f} | {off['rows_per_second']:,.0f} | {off['prefill_tokens']:,} | "
+            f"{speed:.2f}x | {ratio:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
