@@ -16,14 +16,18 @@ demo: $(VENV)/.installed-run
 
 # the tests that need vLLM run in its venv (test-vllm), not twice
 VLLM_TESTS ?= 1
+# the main suite runs on this many processes (pytest-xdist), each test file whole on one
+# (its module fixtures built once); TEST_WORKERS=0 runs it in this process
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 VLLM_TEST_FILES := tests/test_vllm_backend.py tests/test_bench_vllm.py tests/test_openai_backend.py
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
 ifeq ($(VLLM_TESTS),1)
-	$(PY) -m pytest -q $(addprefix --ignore=,$(VLLM_TEST_FILES))
+	$(PY) -m pytest -q $(XDIST) $(addprefix --ignore=,$(VLLM_TEST_FILES))
 	$(MAKE) test-vllm
 else
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
 endif
 
 test-vllm: $(VLLM_VENV)/.installed

@@ -27,6 +27,15 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # make test runs the suite on 2 processes
+    # each worker (and the processes it starts: Spark and Dask workers, bench systems)
+    # takes its share of the cores: two of all cores each would spin against each other
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 TESTS_DIR = str(Path(__file__).resolve().parent)
 if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)  # so tests can `from helpers import ...`

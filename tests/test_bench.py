@@ -20,14 +20,7 @@ from llm_operator_bench.core.runner import vllm_engine_settings
 from llm_operator_bench.core.systems import SYSTEMS, SystemSpec
 from llm_operator_bench.core.worker import peak_rss_bytes
 
-OUR_SYSTEMS = (
-    "hf",
-    "hf-noshare",
-    "hf-nodecodefirst",
-    "native",
-    "native-noshare",
-    "native-notokenbatch",
-)
+OUR_SYSTEMS = ("hf", "hf-noshare", "native", "native-noshare")  # the other ablations alike
 BF16_SYSTEMS = ("native-bf16", "hf-static-bf16")  # other arithmetic: its greedy answers may differ
 STATIC_SYSTEMS = ("hf-static", "hf-static-shuffled")
 VLLM_SYSTEMS = ("vllm", "vllm-plan")  # plain vLLM, and our backend="vllm" (both need the venv)

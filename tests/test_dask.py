@@ -85,8 +85,8 @@ def test_module_does_not_shadow_dask():
 
 def test_sync_scheduler_matches_operator_with_meta(model_dir, frame, expected, caplog):
     ddf = dd.from_pandas(frame, npartitions=4)
-    result = infer(ddf, model_dir)
     with caplog.at_level(logging.INFO, logger="llm_operator.integrations"):
+        result = infer(ddf, model_dir)  # co-location is decided (and logged) here
         computed = result.compute(scheduler="sync")
     assert computed.index.tolist() == frame.index.tolist()  # same rows, same order
     assert_results(computed, expected)

@@ -137,7 +137,10 @@ def test_estimate_with_known_lengths_is_the_plans_run(tiny_llama_dir, cache):
     assert first.seconds > 0 and first.machine_hours == pytest.approx(first.seconds / 3600)
     second = op.estimate(prompts, sampling, executors=2)
     assert second.calibration["cached"]
-    assert second.seconds == pytest.approx(first.seconds, rel=0.2)  # only prepare is re-measured
+    # only prepare is re-measured: the rest is the cached cost model on the same plan
+    assert second.seconds - second.prepare_seconds == pytest.approx(
+        first.seconds - first.prepare_seconds, rel=1e-6
+    )
     assert second.executor_seconds <= second.seconds <= second.machine_hours * 3600 * 1.001
     text = second.report()
     assert "on 2 executors" in text and f"{len(prompts):,}" in text
@@ -214,8 +217,9 @@ def test_executors_split_a_large_group(tiny_llama_dir, cache):
         for i in range(16)
     ]
     sampling = SamplingParams(max_tokens=6, ignore_eos=True)
-    one = op.estimate(prompts, sampling)
     four = op.estimate(prompts, sampling, executors=4)
-    assert one.error_rows == 0 and one.prompt_tokens > 16 * 60  # long own parts, all fit
-    assert four.executor_seconds < 0.6 * one.seconds
-    assert four.machine_hours * 3600 >= one.seconds * 0.9
+    assert four.error_rows == 0 and four.prompt_tokens > 16 * 60  # long own parts, all fit
+    # ``seconds`` is the whole job on one machine at the same measured rates (two estimates
+    # would each time their own rates on a shared, noisy machine)
+    assert four.executor_seconds < 0.6 * four.seconds
+    assert four.machine_hours * 3600 >= four.seconds * 0.99

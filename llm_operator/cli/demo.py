@@ -271,7 +271,7 @@ def _compare_static(op, rows: list[dict], free: Classified | None) -> None:
     token_ids = op.prepare(prompts, sampling).token_ids
     valid = [i for i, ids in enumerate(token_ids) if ids is not None]
     static = _static_generate(
-        op.backend().model,
+        _hf_model(op),
         op.tokenizer,
         [token_ids[i] for i in valid],
         max_tokens=DEMO_MAX_TOKENS,
@@ -299,6 +299,17 @@ def _compare_static(op, rows: list[dict], free: Classified | None) -> None:
     )
     if differ:
         print(f"  rows whose tokens differ: {differ[:20]}")
+
+
+def _hf_model(op):
+    """The operator's model as Hugging Face's causal LM, on its device and dtype: the hf
+    backend's own, else loaded (the native engine's forward has no ``generate``)."""
+    backend = op.backend()
+    if op.backend_name == "hf":
+        return backend.model
+    from llm_operator.models import load_causal_lm
+
+    return load_causal_lm(op.model_info.path, device=backend.device, dtype=backend.dtype)
 
 
 class StaticRun(NamedTuple):

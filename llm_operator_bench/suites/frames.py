@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 SHAPES = ("shuffled", "co-located", "no-sharing")
-GROUP_ROWS = 100  # rows per group of a sharing shape
+GROUP_ROWS = 16  # rows per group of a sharing shape
 TOPICS = ("battery", "shipping", "refund", "login", "screen", "printer", "tent", "blender",
           "router", "kettle", "camera", "mattress", "jacket", "charger", "headphones", "drill")  # fmt: skip
 MAX_TOKENS = 2
@@ -38,7 +38,7 @@ MAX_TOKENS = 2
 
 def prompt_text(row: int, rows: int, shape: str) -> str:
     """Row ``row``'s prompt in a frame of ``rows`` rows of ``shape``: a group's shared
-    instruction (about 40 tokens), then a short part of its own."""
+    instruction (about 100 tokens), then a short part of its own."""
     groups = max(1, rows // GROUP_ROWS)
     if shape == "no-sharing":
         return f"{row * 7919 % 1000003} {TOPICS[row % 16]} review: it broke after {row} days."
@@ -50,7 +50,10 @@ def prompt_text(row: int, rows: int, shape: str) -> str:
     return (
         f"Task {group}: you label messages about the {topic}. Read the message, then answer "
         f"with one word for the problem, one for the mood and one for the urgency of the "
-        f"{topic} case number {group}. Message {row}: the {topic} broke on day {row % 97}."
+        f"{topic} case number {group}. Examples: the {topic} stopped after a week, angry, "
+        f"high; the {topic} arrived late but works, calm, low; the {topic} is noisy, "
+        f"annoyed, medium; support never answered about the {topic}, angry, high. "
+        f"Message {row}: the {topic} broke on day {row % 97}."
     )
 
 
@@ -71,22 +74,34 @@ def _prefill(log: Path) -> int:
     return sum(json.loads(line)["prefill_tokens"] for line in log.read_text().splitlines())
 
 
+def _table(prompts_of, rows: int):
+    import pandas as pd
+
+    ids = range(rows)
+    return pd.DataFrame(
+        {"id": pd.array(list(ids), dtype="int64"),
+         "prompt": pd.array([prompts_of(row) for row in ids], dtype=object)}
+    )  # fmt: skip
+
+
 def spark_run(spark, model: str, prompts_of, rows: int, partitions: int, options: dict,
               work: Path) -> dict[str, Any]:  # fmt: skip
-    """One frame through ``llm_infer_df``: seconds, rows/s, prefill computed."""
+    """One frame through ``llm_infer_df``: seconds, rows/s, prefill computed. The frame is
+    cached first (a table in memory), in ``partitions`` ranges of ``id``."""
     from pyspark.sql import functions as F
-    from pyspark.sql import types as T
 
     from llm_operator.integrations.spark import llm_infer_df
 
     log = work / f"spark-{time.monotonic_ns()}.jsonl"
-    text = F.udf(lambda row: prompts_of(row), T.StringType())
-    df = spark.range(rows, numPartitions=partitions).withColumn("prompt", text("id"))
+    df = spark.createDataFrame(_table(prompts_of, rows))
+    df = df.repartitionByRange(partitions, "id").cache()
+    df.count()
     path = str(work / "spark-output.parquet")
     started = time.perf_counter()  # co-location's count and sample included
     out = llm_infer_df(df, "prompt", model=model, stats_log=str(log), **options)
     out.select("id", "out.text", "out.finish_reason").write.mode("overwrite").parquet(path)
     seconds = time.perf_counter() - started
+    df.unpersist()
     written = spark.read.parquet(path)
     check = written.agg(
         F.count("*").alias("rows"),
@@ -96,29 +111,18 @@ def spark_run(spark, model: str, prompts_of, rows: int, partitions: int, options
     return _result(rows, seconds, log, check["rows"], check["ids"], check["errors"])
 
 
-def _dask_piece(piece: tuple[int, int, Any]):
-    import pandas as pd
-
-    start, stop, prompts_of = piece
-    ids = range(start, stop)
-    prompts = pd.array([prompts_of(row) for row in ids], dtype=object)
-    return pd.DataFrame(
-        {"id": pd.array(list(ids), dtype="int64"), "prompt": prompts},
-        index=pd.RangeIndex(start, stop),
-    )
-
-
 def dask_run(client, model: str, prompts_of, rows: int, partitions: int, options: dict,
              work: Path) -> dict[str, Any]:  # fmt: skip
-    """One frame through Dask's ``llm_infer`` on the client's cluster."""
+    """One frame through Dask's ``llm_infer`` on the client's cluster (the frame persisted
+    on the workers first, in ``partitions`` ranges of rows)."""
     import dask.dataframe as dd
+    from distributed import wait
 
     from llm_operator.integrations.dask import llm_infer
 
     log = work / f"dask-{time.monotonic_ns()}.jsonl"
-    bounds = [rows * part // partitions for part in range(partitions + 1)]
-    pieces = [(bounds[p], bounds[p + 1], prompts_of) for p in range(partitions)]
-    ddf = dd.from_map(_dask_piece, pieces, meta=_dask_piece((0, 0, prompts_of)))
+    ddf = dd.from_pandas(_table(prompts_of, rows), npartitions=partitions).persist()
+    wait(ddf)
     started = time.perf_counter()  # co-location's sample pass included
     out = llm_infer(ddf, "prompt", output="out", model=model, stats_log=str(log), **options)
     result = out[["id", "out_finish_reason"]].compute()
