@@ -178,11 +178,12 @@ class CoLocation(NamedTuple):
     saving: float  # one plan over all the sampled rows
     saving_as_is: float  # each partition of the frame planning its sampled rows alone
     skipped: str | None  # why co-locating cannot help (None: it runs)
+    seconds: float = 0.0  # sampling the frame and planning: what a skipped one costs
 
     def report(self) -> str:
         """One line for the job's log and the CLI summary."""
         rows = f"{self.rows:,}" if self.rows is not None else "the"
-        sample = f"a sample of {self.sampled:,} of {rows} rows"
+        sample = f"a sample of {self.sampled:,} of {rows} rows, {self.seconds:.2f} s"
         savings = (
             f"one plan over the frame shares {self.saving:.0%} of the prompt text, the "
             f"frame's {self.partitions} partitions as they came {self.saving_as_is:.0%}"

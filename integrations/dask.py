@@ -512,10 +512,12 @@ def _co_locate(
     clashes = [name for name in (_PARTITION, _ORDER, _INDEX) if name in ddf.columns]
     if clashes:
         raise ValueError(f"ddf has co_locate's reserved column(s) {clashes}; rename them")
+    started = time.perf_counter()
     sample, rows = _sample_prompts(ddf[col], sample_size, seed)
     decision = plan_co_location(
         sample, npartitions, rows=rows, min_prefix_chars=min_prefix_chars, force=force
     )
+    decision = decision._replace(seconds=time.perf_counter() - started)
     if decision.skipped is not None:
         return ddf, decision
     partitioner = decision.partitioner

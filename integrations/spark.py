@@ -701,6 +701,7 @@ def co_locate_if_it_helps(
     data_type = frame.schema[key].dataType
     if not isinstance(data_type, T.StringType):
         raise TypeError(f"col must be a string column, got type {data_type.simpleString()}")
+    started = time.perf_counter()
     partitions = num_partitions or _partition_count(frame)
     if partitions is None:  # Spark Connect: the partitions holding rows, with the row count
         _, partitions = _count_rows_and_partitions(frame, key)
@@ -708,6 +709,7 @@ def co_locate_if_it_helps(
     decision = plan_co_location(
         sample, partitions, rows=total, min_prefix_chars=min_prefix_chars, force=force
     )
+    decision = decision._replace(seconds=time.perf_counter() - started)
     if decision.skipped is not None:
         return df, decision
     # each row to exactly its partitioner's partition, as a hash partitioning by a key that

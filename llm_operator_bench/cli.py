@@ -278,6 +278,7 @@ def command_bench(args) -> int:
             smollm2=not args.no_smollm2,
             out=args.out,
             name=args.name or "bench-frames",
+            repeat=args.repeat or 1,
         )
         print(markdown(report))
         return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -131,7 +132,8 @@ def test_dask_llm_infer_shares_like_one_plan_and_keeps_the_frame(
     computed = _logged_prefill(log)
     if co_locate:
         assert computed <= 1.15 * prefill, (computed, prefill)
-        assert any("co-location: about" in r.getMessage() for r in caplog.records)
+        decided = [r.getMessage() for r in caplog.records if "co-location: about" in r.getMessage()]
+        assert len(decided) == 1 and re.search(r"of 64 rows, \d+\.\d\d s\)$", decided[0])
     else:
         assert computed > 1.5 * prefill  # the shuffled partitions, each planned alone
         assert not any("co-location" in r.getMessage() for r in caplog.records)

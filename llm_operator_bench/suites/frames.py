@@ -22,6 +22,7 @@ Results go to ``<out>/<name>.json`` and ``.md``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -68,6 +69,43 @@ def build_model(path: Path) -> Path:
     return tiny.build_tiny_model(path, "llama", tokenizer_dir, 0)
 
 
+class _Decisions:
+    """The co-location lines the job logs (logger ``llm_operator.integrations``): whether
+    it moved rows or skipped, and the seconds its sample and plan took."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.handler = logging.Handler(logging.INFO)
+        self.handler.emit = lambda record: self._keep(record.getMessage())  # type: ignore[method-assign]
+        self.logger = logging.getLogger("llm_operator.integrations")
+
+    def _keep(self, message: str) -> None:
+        if "co-location" in message:
+            self.lines.append(message)
+
+    def __enter__(self) -> _Decisions:
+        self.level = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self.handler)
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)
+
+    def figures(self) -> dict[str, Any]:
+        import re
+
+        if not self.lines:
+            return {"co_location": "off", "co_location_seconds": 0.0}
+        line = self.lines[-1]
+        seconds = re.search(r"(\d+\.\d+) s\)$", line)
+        return {
+            "co_location": "skipped" if "co-location skipped" in line else "moved",
+            "co_location_seconds": float(seconds.group(1)) if seconds else None,
+        }
+
+
 def _prefill(log: Path) -> int:
     if not log.exists():
         return 0
@@ -98,8 +136,9 @@ def spark_run(spark, model: str, prompts_of, rows: int, partitions: int, options
     df.count()
     path = str(work / "spark-output.parquet")
     started = time.perf_counter()  # co-location's count and sample included
-    out = llm_infer_df(df, "prompt", model=model, stats_log=str(log), **options)
-    out.select("id", "out.text", "out.finish_reason").write.mode("overwrite").parquet(path)
+    with _Decisions() as decisions:
+        out = llm_infer_df(df, "prompt", model=model, stats_log=str(log), **options)
+        out.select("id", "out.text", "out.finish_reason").write.mode("overwrite").parquet(path)
     seconds = time.perf_counter() - started
     df.unpersist()
     written = spark.read.parquet(path)
@@ -108,7 +147,8 @@ def spark_run(spark, model: str, prompts_of, rows: int, partitions: int, options
         F.countDistinct("id").alias("ids"),
         F.sum((F.col("finish_reason") == "error").cast("long")).alias("errors"),
     ).first()
-    return _result(rows, seconds, log, check["rows"], check["ids"], check["errors"])
+    result = _result(rows, seconds, log, check["rows"], check["ids"], check["errors"])
+    return {**result, **decisions.figures()}
 
 
 def dask_run(client, model: str, prompts_of, rows: int, partitions: int, options: dict,
@@ -124,11 +164,13 @@ def dask_run(client, model: str, prompts_of, rows: int, partitions: int, options
     ddf = dd.from_pandas(_table(prompts_of, rows), npartitions=partitions).persist()
     wait(ddf)
     started = time.perf_counter()  # co-location's sample pass included
-    out = llm_infer(ddf, "prompt", output="out", model=model, stats_log=str(log), **options)
-    result = out[["id", "out_finish_reason"]].compute()
+    with _Decisions() as decisions:
+        out = llm_infer(ddf, "prompt", output="out", model=model, stats_log=str(log), **options)
+        result = out[["id", "out_finish_reason"]].compute()
     seconds = time.perf_counter() - started
     errors = int((result["out_finish_reason"] == "error").sum())
-    return _result(rows, seconds, log, len(result), result["id"].nunique(), errors)
+    figures = _result(rows, seconds, log, len(result), result["id"].nunique(), errors)
+    return {**figures, **decisions.figures()}
 
 
 def _result(rows, seconds, log, got, ids, errors) -> dict[str, Any]:
@@ -160,6 +202,7 @@ def run_frames(
     smollm2: bool,
     out: Path,
     name: str,
+    repeat: int = 1,
 ) -> dict[str, Any]:
     """Every (engine, rows, partitions, shape) with and without co-location, then SmolLM2;
     writes ``out/name.json`` and ``.md``."""
@@ -169,7 +212,8 @@ def run_frames(
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     work = Path(tempfile.mkdtemp(prefix="llm-operator-frames-"))
     model = str(build_model(work / "tiny"))
-    report: dict[str, Any] = {"machine": platform.processor() or platform.machine(), "runs": []}
+    report: dict[str, Any] = {"machine": platform.processor() or platform.machine(),
+                              "repeat": repeat, "runs": []}  # fmt: skip
     modes = {"default": {}, "co_locate=False": {"co_locate": False}}
     for engine in engines:
         runner, handle, close = _engine(engine)
@@ -179,17 +223,20 @@ def run_frames(
             for count in rows:
                 for parts in partitions:
                     for shape in shapes:
-                        for mode, extra in modes.items():
-                            options = {"max_tokens": MAX_TOKENS, **extra}
-                            result = runner(
-                                handle, model, _Prompts(count, shape), count, parts, options, work
-                            )
-                            run = {"engine": engine, "model": "tiny", "rows": count,
-                                   "partitions": parts, "shape": shape, "mode": mode, **result}  # fmt: skip
-                            report["runs"].append(run)
-                            print(json.dumps(run), flush=True)
+                        for attempt in range(repeat):  # the two modes alternate
+                            for mode, extra in modes.items():
+                                options = {"max_tokens": MAX_TOKENS, **extra}
+                                prompts = _Prompts(count, shape)
+                                result = runner(handle, model, prompts, count, parts, options, work)
+                                run = {"engine": engine, "model": "tiny", "rows": count,
+                                       "partitions": parts, "shape": shape, "mode": mode,
+                                       "attempt": attempt, **result}  # fmt: skip
+                                report["runs"].append(run)
+                                print(json.dumps(run), flush=True)
             if smollm2:
-                report["runs"] += _smollm2_runs(engine, runner, handle, work, modes)
+                for attempt in range(repeat):
+                    runs = _smollm2_runs(engine, runner, handle, work, modes)
+                    report["runs"] += [{**run, "attempt": attempt} for run in runs]
         finally:
             close()
     out.mkdir(parents=True, exist_ok=True)
@@ -254,23 +301,30 @@ def markdown(report: dict[str, Any]) -> str:
     """One line per frame: both modes side by side."""
     lines = [
         "| engine | model | rows | partitions | shape | default s | rows/s | prefill | "
-        "co_locate=False s | rows/s | prefill | speed-up | prefill ratio |",
-        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "co_locate=False s | rows/s | prefill | speed-up | prefill ratio | co-location |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    keyed: dict[tuple, dict[str, dict]] = {}
+    keyed: dict[tuple, dict[str, list[dict]]] = {}
     for run in report["runs"]:
         key = (run["engine"], run["model"], run["rows"], run["partitions"], run["shape"])
-        keyed.setdefault(key, {})[run["mode"]] = run
+        keyed.setdefault(key, {}).setdefault(run["mode"], []).append(run)
     for key, modes in keyed.items():
-        on, off = modes.get("default"), modes.get("co_locate=False")
-        if on is None or off is None:
+        if "default" not in modes or "co_locate=False" not in modes:
             continue
+        on, off = _median(modes["default"]), _median(modes["co_locate=False"])
         speed = off["seconds"] / on["seconds"] if on["seconds"] else 0.0
         ratio = on["prefill_tokens"] / off["prefill_tokens"] if off["prefill_tokens"] else 0.0
         lines.append(
             f"| {' | '.join(str(k) for k in key[:2])} | {key[2]:,} | {key[3]} | {key[4]} | "
             f"{on['seconds']:.1f} | {on['rows_per_second']:,.0f} | {on['prefill_tokens']:,} | "
             f"{off['seconds']:.1f} | {off['rows_per_second']:,.0f} | {off['prefill_tokens']:,} | "
-            f"{speed:.2f}x | {ratio:.2f} |"
+            f"{speed:.2f}x | {ratio:.2f} | {on.get('co_location', '')}, "
+            f"{on.get('co_location_seconds') or 0:.2f} s |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _median(runs: list[dict]) -> dict:
+    """The run of median seconds (the lower middle of an even count), its figures whole."""
+    ordered = sorted(runs, key=lambda run: run["seconds"])
+    return ordered[(len(ordered) - 1) // 2]
