@@ -315,3 +315,26 @@ def test_demo_with_choices_names_a_label_on_every_row(tmp_path: Path, capsys) ->
         assert record["output"] == record["label"] and record["label"] in row["labels"]
         assert record["finish_reason"] == "stop" and record["error"] is None
         assert record["free_label"] == parse_label(record["free_output"], row["labels"])
+
+
+@pytest.mark.parametrize("backend", ["hf", "native"])
+def test_compare_static_gets_hugging_face_s_model_from_either_backend(tiny_llama_dir, backend):
+    """``demo --compare-static`` runs HF generate: the hf backend's own model, or for the
+    native engine (whose forward has no ``generate``) the checkpoint loaded by HF, whose
+    greedy tokens are the native engine's."""
+    import torch
+
+    from llm_operator import LLMOperator, SamplingParams
+    from llm_operator.cli.demo import _hf_model
+
+    op = LLMOperator(tiny_llama_dir, backend=backend)
+    model = _hf_model(op)
+    assert hasattr(model, "generate") and not model.training
+    assert next(model.parameters()).dtype == torch.float32
+    if backend == "hf":
+        assert model is op.backend().model
+    prompt = "The weather today"
+    [want] = op.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True))
+    ids = torch.tensor([op.tokenizer(prompt)["input_ids"]])
+    got = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert got[0, ids.shape[1] :].tolist() == list(want.token_ids)
