@@ -69,28 +69,28 @@ def build_model(path: Path) -> Path:
     return tiny.build_tiny_model(path, "llama", tokenizer_dir, 0)
 
 
-class _Decisions:
+class _Decisions(logging.Handler):
     """The co-location lines the job logs (logger ``llm_operator.integrations``): whether
     it moved rows or skipped, and the seconds its sample and plan took."""
 
     def __init__(self) -> None:
+        super().__init__(logging.INFO)
         self.lines: list[str] = []
-        self.handler = logging.Handler(logging.INFO)
-        self.handler.emit = lambda record: self._keep(record.getMessage())  # type: ignore[method-assign]
         self.logger = logging.getLogger("llm_operator.integrations")
 
-    def _keep(self, message: str) -> None:
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
         if "co-location" in message:
             self.lines.append(message)
 
     def __enter__(self) -> _Decisions:
         self.level = self.logger.level
         self.logger.setLevel(logging.INFO)
-        self.logger.addHandler(self.handler)
+        self.logger.addHandler(self)
         return self
 
     def __exit__(self, *_: Any) -> None:
-        self.logger.removeHandler(self.handler)
+        self.logger.removeHandler(self)
         self.logger.setLevel(self.level)
 
     def figures(self) -> dict[str, Any]:
@@ -234,9 +234,7 @@ def run_frames(
                                 report["runs"].append(run)
                                 print(json.dumps(run), flush=True)
             if smollm2:
-                for attempt in range(repeat):
-                    runs = _smollm2_runs(engine, runner, handle, work, modes)
-                    report["runs"] += [{**run, "attempt": attempt} for run in runs]
+                report["runs"] += _smollm2_runs(engine, runner, handle, work, modes, repeat)
         finally:
             close()
     out.mkdir(parents=True, exist_ok=True)
@@ -245,8 +243,9 @@ def run_frames(
     return report
 
 
-def _smollm2_runs(engine, runner, handle, work, modes) -> list[dict[str, Any]]:
-    """The demo's reviews and tickets (few-shot tasks) as one chat prompt JSON per row."""
+def _smollm2_runs(engine, runner, handle, work, modes, repeat: int) -> list[dict[str, Any]]:
+    """The demo's reviews and tickets (few-shot tasks) as one chat prompt JSON per row,
+    ``repeat`` times with the modes alternating, after one warm-up."""
     from llm_operator.cli.demo_data import build_demo_rows
 
     rows = build_demo_rows()  # system + user message: one text, as a user message
@@ -255,13 +254,16 @@ def _smollm2_runs(engine, runner, handle, work, modes) -> list[dict[str, Any]]:
     # warm-up: every worker loads SmolLM2 and checks its kernels once, outside the timing
     runner(handle, "smollm2-135m-instruct", prompts_of, 8, 4, {"max_tokens": 1}, work)
     results = []
-    for mode, extra in modes.items():
-        options = {"max_tokens": 4, **extra}
-        result = runner(handle, "smollm2-135m-instruct", prompts_of, len(texts), 4, options, work)
-        run = {"engine": engine, "model": "smollm2-135m-instruct", "rows": len(texts),
-               "partitions": 4, "shape": "demo tasks, shuffled", "mode": mode, **result}  # fmt: skip
-        print(json.dumps(run), flush=True)
-        results.append(run)
+    for attempt in range(repeat):
+        for mode, extra in modes.items():
+            options = {"max_tokens": 4, **extra}
+            result = runner(handle, "smollm2-135m-instruct", prompts_of, len(texts), 4, options,
+                            work)  # fmt: skip
+            run = {"engine": engine, "model": "smollm2-135m-instruct", "rows": len(texts),
+                   "partitions": 4, "shape": "demo tasks, shuffled", "mode": mode,
+                   "attempt": attempt, **result}  # fmt: skip
+            print(json.dumps(run), flush=True)
+            results.append(run)
     return results
 
 
