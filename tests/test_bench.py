@@ -1,5 +1,10 @@
 """``llm-operator bench`` end to end on a tiny model: every field of the JSON, not the speed;
-and the figures it derives (work in FLOP, matmul rate, decode steps) on hand-checked inputs."""
+and the figures it derives (work in FLOP, matmul rate, decode steps) on hand-checked inputs.
+
+One run (``quick_report``) serves every end-to-end check, the classify workload's too
+(tests/test_bench_classify.py has its hand-checked figures): each system is a process of
+its own that costs seconds to start, while its runs of the tiny workloads cost
+milliseconds, so more workloads in one run are nearly free and another run is not."""
 
 from __future__ import annotations
 
@@ -24,6 +29,9 @@ OUR_SYSTEMS = ("hf", "hf-noshare", "native", "native-noshare")  # the other abla
 BF16_SYSTEMS = ("native-bf16", "hf-static-bf16")  # other arithmetic: its greedy answers may differ
 STATIC_SYSTEMS = ("hf-static", "hf-static-shuffled")
 VLLM_SYSTEMS = ("vllm", "vllm-plan")  # plain vLLM, and our backend="vllm" (both need the venv)
+# constrained to each row's labels: they run the workloads with labels only (classify)
+CHOICES_SYSTEMS = ("native-choices", "vllm-choices")
+ALL_SYSTEMS = (*STATIC_SYSTEMS, *OUR_SYSTEMS, *BF16_SYSTEMS, *VLLM_SYSTEMS, *CHOICES_SYSTEMS)
 RECORD_FIELDS = (
     "system",
     "workload",
@@ -48,13 +56,19 @@ RECORD_FIELDS = (
     "gflop_per_second",
     "rate_fraction",
 )
-WORKLOADS = ("etl-fewshot", "doc-qa", "table-rows", "no-sharing", "long-answers")
+WORKLOADS = ("etl-fewshot", "doc-qa", "table-rows", "no-sharing", "long-answers", "classify")
+LABELLED = ("classify",)
+
+
+def has_record(system: str, workload: str) -> bool:
+    """Whether a system of this run has a record for the workload (a choices system runs
+    the labelled workloads only)."""
+    return system not in CHOICES_SYSTEMS or workload in LABELLED
 
 
 @pytest.fixture(scope="module")
 def quick_report(tiny_llama_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    systems = ",".join((*STATIC_SYSTEMS, *OUR_SYSTEMS, *BF16_SYSTEMS, *VLLM_SYSTEMS))
     code = main(
         [
             "bench",
@@ -64,7 +78,9 @@ def quick_report(tiny_llama_dir, tmp_path_factory):
             "--model",
             str(tiny_llama_dir),
             "--systems",
-            systems,
+            ",".join(ALL_SYSTEMS),
+            "--workloads",
+            ",".join(WORKLOADS),
             "--repeat",
             "2",
             "--out",
@@ -86,10 +102,10 @@ def test_quick_run_writes_every_field(quick_report):
     assert report["size"] == "tiny" and report["repeat"] == 2
     names = [w["name"] for w in report["workloads"]]
     assert names == list(WORKLOADS)
-    systems = len(STATIC_SYSTEMS) + len(OUR_SYSTEMS) + len(BF16_SYSTEMS) + len(VLLM_SYSTEMS)
-    assert len(report["results"]) == len(names) * systems
+    expected = [(s, w) for s in ALL_SYSTEMS for w in WORKLOADS if has_record(s, w)]
+    assert sorted((r["system"], r["workload"]) for r in report["results"]) == sorted(expected)
     for record in report["results"]:
-        if record["system"] in VLLM_SYSTEMS:
+        if record["system"] in (*VLLM_SYSTEMS, "vllm-choices"):
             continue
         assert record["status"] == "ok", record
         for field in RECORD_FIELDS:
@@ -98,7 +114,8 @@ def test_quick_run_writes_every_field(quick_report):
         assert record["seconds"] > 0 and record["output_tokens"] > 0
         # a measurement, not a threshold: test_peak_rss_measures_an_allocation checks it
         assert isinstance(record["peak_rss_bytes"], int) and record["peak_rss_bytes"] > 0
-    assert (out / "tiny.md").read_text().count("| hf-static |") == len(names)
+    # a row in each workload's table, and in the labels table of each labelled workload
+    assert (out / "tiny.md").read_text().count("| hf-static |") == len(names) + len(LABELLED)
     assert (out / "tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert report["chart"] == str(out / "tiny.png")
 
@@ -144,10 +161,31 @@ def test_peak_rss_measures_an_allocation():
         assert before_reset - after_reset >= 96 * mib, (before_reset, after_reset)
 
 
+def test_default_workloads_are_all_but_classify(tiny_llama_dir, monkeypatch):
+    """``quick_report`` names its workloads; without --workloads the bench runs the default
+    ones: every workload but classify."""
+    from llm_operator_bench.core import suite
+    from llm_operator_bench.core.workloads import WORKLOAD_NAMES
+
+    seen = {}
+
+    def fake(**options):
+        seen.update(options)
+        return {"results": [], "workloads": []}
+
+    monkeypatch.setattr(suite, "run_benchmark", fake)
+    assert main(["bench", "--size", "tiny", "--model", str(tiny_llama_dir)]) == 0
+    assert seen["workloads"] is None
+    assert suite.parse_workloads(None) == [w for w in WORKLOAD_NAMES if w != "classify"]
+    assert suite.parse_workloads("all") == list(WORKLOAD_NAMES)
+    assert set(WORKLOADS) <= set(WORKLOAD_NAMES)
+
+
 def test_vllm_without_its_venv_is_skipped_with_the_reason(quick_report):
     _, report = quick_report
-    skipped = [r for r in report["results"] if r["system"] in VLLM_SYSTEMS]
-    assert len(skipped) == 2 * len(report["workloads"])
+    vllm = (*VLLM_SYSTEMS, "vllm-choices")
+    skipped = [r for r in report["results"] if r["system"] in vllm]
+    assert len(skipped) == sum(has_record(s, w["name"]) for s in vllm for w in report["workloads"])
     for record in skipped:
         assert record["status"] == "skipped"
         assert "vllm-env" in record["error"]
@@ -158,7 +196,7 @@ def test_every_system_gives_hf_static_answers(quick_report):
     change the speed, never the answer."""
     _, report = quick_report
     for record in report["results"]:
-        if record["status"] == "ok" and record["system"] not in BF16_SYSTEMS:
+        if record["status"] == "ok" and record["system"] not in (*BF16_SYSTEMS, *CHOICES_SYSTEMS):
             assert record["agreement_with_hf_static"] == 1.0, record
 
 
@@ -225,6 +263,40 @@ def test_prefill_figures_follow_the_plan(quick_report):
                 by[ours, name]["prefill_tokens_computed"]
                 < 0.8 * by[f"{ours}-noshare", name]["prefill_tokens_computed"]
             ), (ours, name)
+
+
+def test_classify_runs_every_system_with_labels(quick_report):
+    """The classify workload: per-row choices reach the choices systems, free generation
+    stops at the workload's stop string, every system gets its label figures."""
+    out, report = quick_report
+    workload = next(w for w in report["workloads"] if w["name"] == "classify")
+    assert workload["labelled"] and workload["stop"] == ["\n"]
+    by = {r["system"]: r for r in report["results"] if r["workload"] == "classify"}
+    assert list(by) == list(ALL_SYSTEMS)  # the choices systems too, in the order asked
+    ran = {name for name, record in by.items() if record["status"] == "ok"}
+    assert ran == set(ALL_SYSTEMS) - {*VLLM_SYSTEMS, "vllm-choices"}
+    for name in ran:
+        record = by[name]
+        assert 0 <= record["gold_agreement"] <= record["names_label"] <= 1
+        assert set(record["same_label_as"]) == ran - {name}
+    # free generation stops at the newline the same way in HF generate and in ours
+    assert by["native"]["agreement_with_hf_static"] == 1.0
+    assert by["native"]["same_label_as"]["hf-static"] == 1.0
+    # constrained: every output is one of its row's labels, even from a random model
+    assert by["native-choices"]["names_label"] == 1.0
+    assert by["native-choices"]["output_tokens"] <= workload["max_tokens_total"]
+    assert (
+        by["native-choices"]["same_label_as"]["native"]
+        == by["native"]["same_label_as"]["native-choices"]
+    )
+    entries = {s["name"]: s for s in report["systems"]}
+    assert entries["native-choices"]["choices"] and not entries["native"]["choices"]
+    markdown = (out / "tiny.md").read_text()
+    assert "Labels (classify)" in markdown and "| same label as native-choices |" in markdown
+    assert "Free generation stops at '\\n'." in markdown
+    for record in report["results"]:  # label figures for labelled workloads only
+        labelled = record["workload"] in LABELLED and record["status"] == "ok"
+        assert ("names_label" in record) == labelled, (record["system"], record["workload"])
 
 
 def test_bad_bench_options_are_clear_errors(tiny_llama_dir, capsys, tmp_path):

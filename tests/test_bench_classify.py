@@ -1,10 +1,11 @@
 """The classify workload through the benchmark: per-row choices reach every system kind,
 free generation stops at the workload's stop string, and the label figures (outputs read
-as labels, agreement with gold and between systems) follow hand-checked inputs."""
+as labels, agreement with gold and between systems) follow hand-checked inputs.
+
+The classify workload end to end is in tests/test_bench.py (its bench run takes classify
+and the choices systems along: a run of its own here cost three more system processes)."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 
@@ -14,63 +15,6 @@ from llm_operator_bench.core.records import build_records
 from llm_operator_bench.core.report import labels_table, markdown_table
 from llm_operator_bench.core.systems import SYSTEMS, SystemSpec, runs_on
 from llm_operator_bench.core.worker import _sampling
-
-CLASSIFY_SYSTEMS = ("hf-static", "native", "native-choices", "vllm-choices")
-
-
-@pytest.fixture(scope="module")
-def classify_report(tiny_llama_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench-classify")
-    code = main(
-        [
-            "bench",
-            "--size",
-            "tiny",
-            "--workloads",
-            "classify",
-            "--model",
-            str(tiny_llama_dir),
-            "--systems",
-            ",".join(CLASSIFY_SYSTEMS),
-            "--out",
-            str(out),
-            "--name",
-            "classify",
-            "--vllm-python",
-            str(out / "no-such-venv" / "python"),
-        ]
-    )
-    assert code == 0
-    return out, json.loads((out / "classify.json").read_text())
-
-
-def test_classify_runs_every_system_with_labels(classify_report):
-    out, report = classify_report
-    (workload,) = report["workloads"]
-    assert workload["name"] == "classify" and workload["labelled"] and workload["stop"] == ["\n"]
-    by = {r["system"]: r for r in report["results"]}
-    assert list(by) == list(CLASSIFY_SYSTEMS)
-    assert by["vllm-choices"]["status"] == "skipped"
-    for name in ("hf-static", "native", "native-choices"):
-        record = by[name]
-        assert record["status"] == "ok", record
-        assert 0 <= record["gold_agreement"] <= record["names_label"] <= 1
-        assert set(record["same_label_as"]) == {"hf-static", "native", "native-choices"} - {name}
-    # free generation stops at the newline the same way in HF generate and in ours
-    assert by["native"]["agreement_with_hf_static"] == 1.0
-    assert by["native"]["same_label_as"]["hf-static"] == 1.0
-    # constrained: every output is one of its row's labels, even from a random model
-    assert by["native-choices"]["names_label"] == 1.0
-    assert by["native-choices"]["output_tokens"] <= workload["max_tokens_total"]
-    assert (
-        by["native-choices"]["same_label_as"]["native"]
-        == by["native"]["same_label_as"]["native-choices"]
-    )
-    entries = {s["name"]: s for s in report["systems"]}
-    assert entries["native-choices"]["choices"] and not entries["native"]["choices"]
-    markdown = (out / "classify.md").read_text()
-    assert "Labels (classify)" in markdown and "| same label as native-choices |" in markdown
-    assert "Free generation stops at '\\n'." in markdown
 
 
 def test_choices_systems_need_a_workload_with_labels(tiny_llama_dir, tmp_path, capsys):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -82,6 +83,10 @@ def test_etl_notebook_runs(
     monkeypatch.setenv("LLM_OPERATOR_EXAMPLE_ROWS", "12")
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "jupyter-runtime"))
     monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
+    # the notebook's Spark driver is a JVM of its own that runs one small job: the C1 compiler
+    # alone (no C2 warm-up of Spark's startup code) saves it several CPU seconds
+    java_options = os.environ.get("JAVA_TOOL_OPTIONS", "")
+    monkeypatch.setenv("JAVA_TOOL_OPTIONS", f"{java_options} -XX:TieredStopAtLevel=1".strip())
 
     notebook = nbformat.read(EXAMPLES_DIR / "etl_notebook.ipynb", as_version=4)
     stored_outputs = [c.outputs for c in notebook.cells if c.cell_type == "code" and c.outputs]
@@ -162,7 +167,8 @@ def test_spark_quickstart_runs(
 
     quickstart = load_example("spark_quickstart")
     output = tmp_path / "labels.parquet"
-    argv = ["--model", str(tiny_llama_dir), "--limit", "8", "--partitions", "2"]
+    # one partition: one Python worker to start (and load the model) instead of two
+    argv = ["--model", str(tiny_llama_dir), "--limit", "8", "--partitions", "1"]
     assert quickstart.main([*argv, "--output", str(output)]) == 0
     assert "8 rows in" in capsys.readouterr().out
     assert spark.sparkContext._jsc is not None, "the shared session must be left running"

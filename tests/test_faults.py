@@ -122,9 +122,10 @@ spark_available = pytest.mark.skipif(
 )
 
 
-def _spark_frame(spark):
+def _spark_frame(spark, partitions: int = 4):
     rows = [(i, prompt) for i, prompt in enumerate(PROMPTS)]  # 4 partitions of 10 rows
-    return spark.createDataFrame(spark.sparkContext.parallelize(rows, 4), "id int, prompt string")
+    rdd = spark.sparkContext.parallelize(rows, partitions)
+    return spark.createDataFrame(rdd, "id int, prompt string")
 
 
 def _spark_rows(df) -> dict[int, tuple]:
@@ -259,9 +260,11 @@ def test_spark_python_worker_killed_mid_partition(spark, spark_clean, model_dir,
 
 @spark_available
 def test_spark_corrupt_model_fails_fast_with_its_error(spark, corrupt_model_dir):
+    """One partition: a Python worker that raises exits, so each of the task's 4 attempts
+    starts a new one (seconds of imports each); more partitions only fail the same way."""
     from llm_operator.integrations.spark import llm_infer
 
-    df = _spark_frame(spark).select(
+    df = _spark_frame(spark, partitions=1).select(
         "id", llm_infer("prompt", model=corrupt_model_dir, max_tokens=2).alias("out")
     )
     group = "faults-corrupt-model"

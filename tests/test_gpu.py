@@ -38,7 +38,7 @@ from test_kernels_triton import Case, assert_close, make_case, random_parts  # n
 from llm_operator import LLMOperator, SamplingParams  # noqa: E402
 from llm_operator.kernels import AttentionOutput, torch_attention  # noqa: E402
 from llm_operator.kernels import triton_attention as tri  # noqa: E402
-from llm_operator.kernels.self_check import check_triton  # noqa: E402
+from llm_operator.kernels.self_check import check_triton, check_triton_fused  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ROW_COUNTS = [1, 3, 17, 64]
@@ -194,12 +194,10 @@ def test_self_check_passes(dtype, num_heads, num_kv_heads, head_dim, windowed):
 def test_fused_self_check_passes(dtype, sizes):
     """The engine's start-up check of the elementwise kernels (against eager on the GPU),
     at the 135M and 3B sizes."""
-    from llm_operator.kernels.self_check_fused import check_triton_fused
+    from llm_operator.models.fused import EAGER_OPS
 
     names = ("num_heads", "num_kv_heads", "head_dim", "hidden_size", "intermediate_size")
-    reason = check_triton_fused(
-        "cuda", dtype, "llm_operator.models.fused:EAGER_OPS", **dict(zip(names, sizes))
-    )
+    reason = check_triton_fused("cuda", dtype, EAGER_OPS, **dict(zip(names, sizes)))
     assert reason is None, reason
 
 

@@ -1,4 +1,4 @@
-"""The Triton kernels' self-checks (llm_operator.kernels.self_check, self_check_fused) and
+"""The Triton kernels' self-checks (llm_operator.kernels.self_check) and
 the engine's one decision point that runs them (``engine.factory.native_paths``): the
 torch kernels where a check fails.
 
@@ -26,6 +26,7 @@ from test_kernels_torch import LSE_TOLERANCE, OUT_TOLERANCE  # noqa: E402
 import llm_operator.kernels as kernels  # noqa: E402
 from llm_operator.kernels import layout, self_check, torch_attention  # noqa: E402
 from llm_operator.kernels import triton_attention as tri  # noqa: E402
+from llm_operator.models.fused import EAGER_OPS  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -267,10 +268,8 @@ def test_failed_check_takes_the_torch_kernels_and_warns_once(registry, tiny_qwen
 
 
 def test_passing_check_keeps_triton_and_graphs_on_cuda(registry, monkeypatch, tiny_qwen3_dir):
-    from llm_operator.kernels import self_check_fused
-
     registry.reason = None
-    monkeypatch.setattr(self_check_fused, "check_triton_fused", lambda *args, **sizes: None)
+    monkeypatch.setattr(self_check, "check_triton_fused", lambda *args, **sizes: None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         paths = paths_for(tiny_qwen3_dir, "cuda")
@@ -331,7 +330,6 @@ def test_native_engine_falls_back_when_the_compiled_kernels_fail(monkeypatch, ti
 
 # ---------------------------------------------------------------- the elementwise kernels
 
-REFERENCE = "llm_operator.models.fused:EAGER_OPS"
 SMOLLM2 = {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64, "hidden_size": 576,
            "intermediate_size": 1536}  # fmt: skip
 
@@ -339,40 +337,34 @@ SMOLLM2 = {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64, "hidden_size": 576
 def test_fused_tolerances_are_the_triton_fused_tests_tolerances():
     import test_triton_fused
 
-    from llm_operator.kernels import self_check_fused
-
-    assert self_check_fused.FP32_ULPS == test_triton_fused.FP32_ULPS
-    assert self_check_fused.MAX_FLIP_ULPS == test_triton_fused.MAX_FLIP_ULPS
-    assert self_check_fused.MAX_FLIP_FRACTION == test_triton_fused.MAX_FLIP_FRACTION
-    assert self_check_fused.QK_NORM_FP32_TOLERANCE == test_triton_fused.QK_NORM_FP32_TOLERANCE
+    assert self_check.FP32_ULPS == test_triton_fused.FP32_ULPS
+    assert self_check.MAX_FLIP_ULPS == test_triton_fused.MAX_FLIP_ULPS
+    assert self_check.MAX_FLIP_FRACTION == test_triton_fused.MAX_FLIP_FRACTION
+    assert self_check.QK_NORM_FP32_TOLERANCE == test_triton_fused.QK_NORM_FP32_TOLERANCE
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("sizes", [{}, SMOLLM2], ids=["tiny", "smollm2"])
 def test_real_fused_kernels_pass_in_the_interpreter(dtype, sizes, monkeypatch):
     """Every launcher, on a decode step and a batch of several programs, against the eager
-    regions (an object, or named for a child process)."""
-    from llm_operator.kernels import self_check_fused
+    regions."""
     from llm_operator.kernels import triton_fused as tf
-    from llm_operator.models import fused
 
     calls = []
     for name in ("rms_norm", "add_rms_norm", "qkv_rope", "qkv_rope_store", "silu_mul"):
         function = getattr(tf, name)
         monkeypatch.setattr(tf, name, lambda *a, f=function, n=name: calls.append(n) or f(*a))
-    assert self_check_fused.check_triton_fused(CPU, dtype, REFERENCE, **sizes) is None
+    assert self_check.check_triton_fused(CPU, dtype, EAGER_OPS, **sizes) is None
     assert calls == ["rms_norm"] * 2 + ["add_rms_norm"] * 2 + ["qkv_rope"] * 4 + [
         "qkv_rope_store"
     ] * 2 + ["silu_mul"] * 2  # fmt: skip
-    assert self_check_fused.check_triton_fused(CPU, dtype, fused.EAGER_OPS, **sizes) is None
 
 
 def _broken(monkeypatch, name, replacement, dtype=torch.bfloat16) -> str | None:
-    from llm_operator.kernels import self_check_fused
     from llm_operator.kernels import triton_fused as tf
 
     monkeypatch.setattr(tf, name, replacement)
-    return self_check_fused.check_triton_fused(CPU, dtype, REFERENCE)
+    return self_check.check_triton_fused(CPU, dtype, EAGER_OPS)
 
 
 def test_fused_kernels_that_disagree_are_named(monkeypatch):
@@ -412,24 +404,19 @@ def test_a_store_that_writes_nothing_is_named(monkeypatch):
     assert reason == "qkv_rope_store: k_cache differs from the reference's at 1216 of 2560 values"
 
 
-def test_fused_exceptions_and_a_missing_reference_become_reasons(monkeypatch):
-    from llm_operator.kernels import self_check_fused
-
+def test_fused_exceptions_become_reasons_and_bad_arguments_raise(monkeypatch):
     def compile_error(*args):
         raise RuntimeError("at 3:4:\n    x = tl.load(p)\nPTX assembly failed")
 
     assert _broken(monkeypatch, "rms_norm", compile_error) == (
         "rms_norm raised RuntimeError: at 3:4: x = tl.load(p) PTX assembly failed"
     )
-    assert self_check_fused.check_triton_fused(CPU, torch.float32, "no_such_module:X") == (
-        "import the reference raised ModuleNotFoundError: No module named 'no_such_module'"
-    )
     with pytest.raises(ValueError, match="dtype"):
-        self_check_fused.check_triton_fused(CPU, torch.int32, REFERENCE)
+        self_check.check_triton_fused(CPU, torch.int32, EAGER_OPS)
     with pytest.raises(ValueError, match="head_dim must be even"):
-        self_check_fused.check_triton_fused(CPU, torch.float32, REFERENCE, head_dim=15)
+        self_check.check_triton_fused(CPU, torch.float32, EAGER_OPS, head_dim=15)
     with pytest.raises(ValueError, match="hidden_size must be a positive int"):
-        self_check_fused.check_triton_fused(CPU, torch.float32, REFERENCE, hidden_size=0)
+        self_check.check_triton_fused(CPU, torch.float32, EAGER_OPS, hidden_size=0)
 
 
 def test_windowed_check_runs_the_window_kernels():

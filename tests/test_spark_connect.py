@@ -206,41 +206,43 @@ def test_co_locate_places_rows_as_on_classic_spark(spark, remote):
 def _frame(session):
     df = session.createDataFrame(ROWS, "id int, instruction string, review string")
     prompt = F.concat("instruction", F.lit("\nReview: "), "review", F.lit("\nAnswer:"))
-    # the same batches, in the same order, on both
-    return df.repartition(2, "id").sortWithinPartitions("id").withColumn("prompt", prompt)
+    # the same batch, in the same order, on both. One partition: each llm_infer column is a
+    # Python worker of its own per task (a separate ArrowEvalPython), each loading the model,
+    # so a second partition would double those loads; later tests reuse these workers.
+    return df.repartition(1).sortWithinPartitions("id").withColumn("prompt", prompt)
 
 
 def test_llm_infer_columns_equal_classic_spark(spark, remote, model_dir):
+    """Each llm_infer column is a Python worker of its own per task, each loading the model:
+    three columns cover a prompt column (with choices, log-probabilities, a JSON schema) and
+    a template."""
     runs = {
         "tmpl": dict(template=TEMPLATE, max_tokens=MAX_TOKENS),
         "pick": dict(choices=CHOICES, logprobs=True, max_tokens=8),
         "typed": dict(json_schema=TYPED_SCHEMA, max_tokens=100),
     }
 
-    def build(session):
-        df = _frame(session).withColumn(
-            "plain", llm_infer("prompt", model=model_dir, max_tokens=MAX_TOKENS)
-        )
+    def build(session):  # a prompt column, with options, and a template of columns
         template = llm_infer(None, model=model_dir, **runs["tmpl"]).alias("tmpl")
         columns = [
             llm_infer("prompt", model=model_dir, **o).alias(c)
             for c, o in runs.items()
             if c != "tmpl"
         ]
-        return df.select("id", "plain", template, *columns)
+        return _frame(session).select("id", template, *columns)
 
     classic, connected = on_both(spark, remote, build)
-    _assert_same(_dicts(connected, "plain", *runs), _dicts(classic, "plain", *runs))
+    _assert_same(_dicts(connected, *runs), _dicts(classic, *runs))
     # and both are the operator's outputs
     prompts = [f"{instruction}\nReview: {review}\nAnswer:" for _, instruction, review in ROWS]
     operator = LLMOperator(model_dir)
     prompts = chat_wrapped(prompts)  # chat="auto": the tiny tokenizer has a chat template
     plain = operator.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     typed = operator.generate(prompts, SamplingParams(max_tokens=100, json_schema=TYPED_SCHEMA))
-    for row in _dicts(connected, "plain", "tmpl", "typed", "pick"):
+    for row in _dicts(connected, "tmpl", "typed", "pick"):
         want = plain[row["id"]]
-        assert row["plain"] == {name: getattr(want, name) for name in FIELDS}
-        assert row["tmpl"] == row["plain"]  # the template renders the same prompt
+        # the template renders the prompt the "prompt" column holds: every field the same
+        assert row["tmpl"] == {name: getattr(want, name) for name in FIELDS}
         assert (row["typed"]["text"], row["typed"]["finish_reason"]) == (
             typed[row["id"]].text,
             typed[row["id"]].finish_reason,

@@ -181,7 +181,7 @@ def test_the_engine_checks_the_fused_kernels_with_the_model_sizes(monkeypatch, t
     import json
 
     from llm_operator.engine import factory
-    from llm_operator.kernels import self_check_fused
+    from llm_operator.kernels import self_check
 
     calls = []
 
@@ -189,7 +189,7 @@ def test_the_engine_checks_the_fused_kernels_with_the_model_sizes(monkeypatch, t
         calls.append((device, dtype, reference, sizes))
         return "silu_mul: activated is 9 ulp off (at most 4)"
 
-    monkeypatch.setattr(self_check_fused, "check_triton_fused", fused_check)
+    monkeypatch.setattr(self_check, "check_triton_fused", fused_check)
     factory._triton_fused_failure.cache_clear()
     try:
         op = LLMOperator(tiny_qwen3_dir, backend="native", device="cpu", kernels="triton")

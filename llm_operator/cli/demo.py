@@ -17,6 +17,7 @@ import copy
 import json
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -31,29 +32,19 @@ class Classified(NamedTuple):
     labels: list  # the label each output names (demo_data.parse_label), or None
     seconds: float
     stats: Any  # the operator's RunStats on the local engine; None on spark and dask
-    calls: int  # generate calls (one: per-row labels on every engine)
 
 
-def run_demo(
-    *,
-    model: str,
-    limit: int | None,
-    output: Path,
-    compare_static: bool = False,
-    engine: str = "local",
-    partitions: int = 2,
-    compare_engines: bool = False,
-    compare_free: bool = False,
-    options: dict | None = None,
-) -> int:
-    """options: engine options (``llm_operator.options``) for every engine the demo runs."""
+def run_demo(args, options: dict) -> int:
+    """``llm-operator demo``: ``args`` its arguments (model, limit, output, engine,
+    partitions, compare_static, compare_engines, compare_free); ``options``: engine options
+    (``llm_operator.options``) for every engine the demo runs."""
     from llm_operator import LLMOperator
     from llm_operator.cli.demo_data import build_demo_rows
 
-    rows = build_demo_rows(limit=limit)
+    model, engine, partitions = args.model, args.engine, args.partitions
+    rows = build_demo_rows(limit=args.limit)
     print(f"demo: {len(rows)} rows over {len({r['task'] for r in rows})} tasks, model {model}")
     started = time.perf_counter()
-    options = dict(options or {})
     op = LLMOperator(model, **options)
     prompts = [row["messages"] for row in rows]
     plan = op.plan(prompts, [_sampling(row, choices=True) for row in rows])
@@ -63,7 +54,7 @@ def run_demo(
         print(f"model ready in {time.perf_counter() - started:.1f} s ({op.model.path})")
     run = dict(engine=engine, op=op, model=model, options=options, partitions=partitions)
     chosen = classify(rows, **run)
-    free = classify(rows, **run, choices=False) if compare_free else None
+    free = classify(rows, **run, choices=False) if args.compare_free else None
 
     _print_samples(rows, chosen, free)
     _print_label_table(rows, chosen, free)
@@ -71,12 +62,12 @@ def run_demo(
     if free is not None:
         _print_run("free generation", engine, partitions, rows, free, plan)
     _print_run("with choices" if free is not None else None, engine, partitions, rows, chosen, plan)
-    _write_records(output, rows, chosen, free)
-    print(f"wrote {output}")
-    if compare_static:
+    _write_records(args.output, rows, chosen, free)
+    print(f"wrote {args.output}")
+    if args.compare_static:
         _compare_static(op, rows, free if engine == "local" else None)
-    if compare_engines:
-        _compare_engines(rows, op=op, model=model, options=options, partitions=partitions)
+    if args.compare_engines:
+        _compare_engines(rows, run)
     return 0
 
 
@@ -108,14 +99,14 @@ def classify(
     if engine == "local":
         results = op.generate(prompts, [_sampling(row, choices=choices) for row in rows])
         stats = op.last_stats
-        seconds, calls = stats.seconds, 1
+        seconds = stats.seconds
     else:
         from llm_operator.cli.engines import generate
 
         sampling: dict[str, Any] = {"stop": DEMO_STOP}
         if choices:  # each row's task labels, from a column: one job over every task
             sampling = {"choices_col": "labels", "constraints": [row["labels"] for row in rows]}
-        generated = generate(
+        results, seconds, stats, _ = generate(
             prompts,
             engine=engine,
             model=model,
@@ -124,9 +115,8 @@ def classify(
             **sampling,
             **options,
         )
-        results, seconds, stats, calls = generated.results, generated.seconds, None, 1
     labels = [parse_label(r.text, row["labels"]) for r, row in zip(results, rows)]
-    return Classified(results, labels, seconds, stats, calls)
+    return Classified(results, labels, seconds, stats)
 
 
 def _print_samples(rows: list[dict], chosen: Classified, free: Classified | None) -> None:
@@ -143,12 +133,12 @@ def _print_samples(rows: list[dict], chosen: Classified, free: Classified | None
         print(f"  [{row['task']}] {snippet!r} -> {answer}")
 
 
-def _count(pairs: list[tuple[Any, Any]]) -> str:
-    """ "agreeing/graded" over (label, gold) pairs with a gold label, "-" without any."""
-    graded = [(label, gold) for label, gold in pairs if gold is not None]
+def _count(labels: list, gold: list) -> str:
+    """ "agreeing/graded" over the rows with a gold label, "-" without any."""
+    graded = [(label, want) for label, want in zip(labels, gold) if want is not None]
     if not graded:
         return "-"
-    return f"{sum(label == gold for label, gold in graded)}/{len(graded)}"
+    return f"{sum(label == want for label, want in graded)}/{len(graded)}"
 
 
 def _print_label_table(rows: list[dict], chosen: Classified, free: Classified | None) -> None:
@@ -162,23 +152,23 @@ def _print_label_table(rows: list[dict], chosen: Classified, free: Classified | 
     else:
         print("\nlabels by task: free generation (up to a newline) and with choices:")
         header = ["rows", "free: name a label", "free: agree", "choices: agree", "same label"]
-    print("  " + "task".ljust(width) + "".join(f"{h:>{len(h) + 3}}" for h in header))
+
+    def line(first: str, cells: list[str]) -> None:
+        cells = [f"{cell:>{len(name) + 3}}" for cell, name in zip(cells, header)]
+        print("  " + first.ljust(width) + "".join(cells))
+
+    line("task", header)
     for task in [*tasks, "all"]:
         members = [i for i, row in enumerate(rows) if task in ("all", row["task"])]
-        gold = [rows[i]["gold"] for i in members]
-        chosen_pairs = list(zip([chosen.labels[i] for i in members], gold))
-        cells = [str(len(members))]
+        n, gold = len(members), [rows[i]["gold"] for i in members]
+        agree = _count([chosen.labels[i] for i in members], gold)
+        cells = [str(n), agree]
         if free is not None:
             free_labels = [free.labels[i] for i in members]
             named = sum(label is not None for label in free_labels)
             same = sum(free.labels[i] == chosen.labels[i] for i in members)
-            cells += [f"{named}/{len(members)}", _count(list(zip(free_labels, gold)))]
-            cells += [_count(chosen_pairs), f"{same}/{len(members)}"]
-        else:
-            cells.append(_count(chosen_pairs))
-        print(
-            "  " + task.ljust(width) + "".join(f"{c:>{len(h) + 3}}" for c, h in zip(cells, header))
-        )
+            cells = [str(n), f"{named}/{n}", _count(free_labels, gold), agree, f"{same}/{n}"]
+        line(task, cells)
     print("  (implied labels: a review's star rating and product category; tickets have none)")
 
 
@@ -201,10 +191,10 @@ def _print_run(
             f"{stats.groups} groups"
         )
         return
-    calls = "one job over every task" if run.calls == 1 else f"{run.calls} jobs"
     print(
-        f"{head}{len(rows)} rows on {engine} (local mode, {partitions} partitions, {calls}, "
-        f"model loads included) in {run.seconds:.1f} s: {len(rows) / run.seconds:.2f} rows/s; "
+        f"{head}{len(rows)} rows on {engine} (local mode, {partitions} partitions, one job over "
+        f"every task, model loads included) in {run.seconds:.1f} s: "
+        f"{len(rows) / run.seconds:.2f} rows/s; "
         f"{named}/{len(rows)} outputs name a label; plan saving ratio "
         f"{plan.stats.saving_ratio:.1%} over the whole job (each partition plans its own rows)"
     )
@@ -233,29 +223,30 @@ def _write_records(
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
-def _compare_engines(rows: list[dict], *, op, model: str, options: dict, partitions: int) -> None:
-    """The same rows (with choices) through LLMOperator directly, Spark local and Dask."""
-    timings = {}
-    texts = {}
-    for engine in ("local", "spark", "dask"):
-        run = classify(
-            rows, engine=engine, op=op, model=model, options=options, partitions=partitions
-        )
-        timings[engine] = run.seconds
-        texts[engine] = [r.text for r in run.results]
+def _compare_engines(rows: list[dict], run: dict) -> None:
+    """The same rows (with choices) through LLMOperator directly, Spark local and Dask;
+    ``run``: ``classify``'s arguments but the engine."""
+    from llm_operator.cli.engines import ENGINES
+
+    runs = {engine: classify(rows, **{**run, "engine": engine}) for engine in ENGINES}
     print(
-        f"\nengines side by side ({len(rows)} rows, {partitions} partitions; spark and dask "
-        "include model loads):"
+        f"\nengines side by side ({len(rows)} rows, {run['partitions']} partitions; spark and "
+        "dask include model loads):"
     )
     print(f"  {'engine':<10}{'seconds':>10}{'rows/s':>10}{'same text as local':>22}")
-    for engine, seconds in timings.items():
-        same = sum(a == b for a, b in zip(texts[engine], texts["local"]))
-        print(f"  {engine:<10}{seconds:>10.1f}{len(rows) / seconds:>10.2f}{same:>16}/{len(rows)}")
+    for engine, done in runs.items():
+        same = sum(a.text == b.text for a, b in zip(done.results, runs["local"].results))
+        print(
+            f"  {engine:<10}{done.seconds:>10.1f}{len(rows) / done.seconds:>10.2f}"
+            f"{same:>16}/{len(rows)}"
+        )
 
 
 def _compare_static(op, rows: list[dict], free: Classified | None) -> None:
     """Plain HF generate on fixed batches of the same size against our free generation
     (``free``, when it ran on the local engine; else run here), same rows, side by side."""
+    from llm_operator.config import DEFAULT_MAX_BATCH_SIZE
+
     if free is None:
         free = classify(
             rows, engine="local", op=op, model="", options={}, partitions=1, choices=False
@@ -263,11 +254,8 @@ def _compare_static(op, rows: list[dict], free: Classified | None) -> None:
     prompts = [row["messages"] for row in rows]
     sampling = _sampling(rows[0], choices=False) if rows else None
     # the batch size the backend runs (its config with the defaults filled in)
-    batch_size = getattr(op.backend(), "engine_config", op.config).max_batch_size
-    if batch_size is None:
-        from llm_operator.config import DEFAULT_MAX_BATCH_SIZE
-
-        batch_size = DEFAULT_MAX_BATCH_SIZE
+    config = getattr(op.backend(), "engine_config", op.config)
+    batch_size = config.max_batch_size or DEFAULT_MAX_BATCH_SIZE
     token_ids = op.prepare(prompts, sampling).token_ids
     valid = [i for i, ids in enumerate(token_ids) if ids is not None]
     static = _static_generate(
@@ -320,7 +308,7 @@ class StaticRun(NamedTuple):
 
 
 def _static_generate(
-    model, tokenizer, prompts: list, *, max_tokens: int, batch_size: int, stop=()
+    model, tokenizer, prompts: list, *, max_tokens: int, batch_size: int, stop: Sequence[str]
 ) -> StaticRun:
     """What a user writes in a pandas UDF: greedy ``model.generate`` over ``prompts``
     (token ids), ``batch_size`` at a time in input order, left-padded, each batch run to
@@ -340,12 +328,8 @@ def _static_generate(
             batch = prompts[begin : begin + batch_size]
             width = max(len(p) for p in batch)
             padded += width * len(batch)
-            input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for i, p in enumerate(batch):
-                input_ids[i, width - len(p) :] = torch.as_tensor(list(p))
-                mask[i, width - len(p) :] = 1
-            extra = {"stop_strings": list(stop), "tokenizer": tokenizer} if stop else {}
+            input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
             generated = model.generate(
                 input_ids=input_ids.to(device),
                 attention_mask=mask.to(device),
@@ -353,13 +337,14 @@ def _static_generate(
                 max_new_tokens=max_tokens,
                 do_sample=False,
                 pad_token_id=pad,
-                **extra,
+                stop_strings=list(stop),
+                tokenizer=tokenizer,
             )
             for row in generated[:, width:].tolist():
                 row = row[:max_tokens]
                 cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
                 row = row[:cut]
-                while stop and row and row[-1] == pad and pad not in eos_ids:
+                while row and row[-1] == pad and pad not in eos_ids:
                     row.pop()  # generate pads rows that ended on a stop string
                 outputs.append(row)
     seconds = time.perf_counter() - started

@@ -10,10 +10,10 @@ last line is the answer cue; it must hold no placeholders. A few-shot example's
 ``input`` is written in the shape of the rendered template without that last
 line, and the example is shown as ``input + "\\n" + cue + " " + label``.
 
-The user message of every row is ``task.user_prefix + task.render(row)``: the
-shared part (instructions and few-shot examples) comes first and is
-byte-identical across all rows of a task, and only the per-row part differs, so
-the prompts of one task share their token prefix.
+Every row's prompt, as plain text (system, ``task.user_prefix``, then
+``task.render(row)``) or as chat messages (the system message and the few-shot
+turns, then the row), starts with a part byte-identical across the rows of its
+task, so the prompts of one task share their token prefix.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -84,35 +85,27 @@ class DemoTask:
             ) from None
 
 
-def _data_dir(data_dir: Path | str | None) -> Path:
-    """The demo data directory, checked to exist."""
-    path = DEFAULT_DATA_DIR if data_dir is None else Path(data_dir)
-    if not path.is_dir():
+def _data_file(data_dir: Path | str | None, name: str) -> Path:
+    """A file of the demo data directory, checked (and the directory) to exist."""
+    directory = DEFAULT_DATA_DIR if data_dir is None else Path(data_dir)
+    if not directory.is_dir():
         raise FileNotFoundError(
-            f"demo data directory not found: {path} (the bundled data lives in examples/data "
-            "of the llm-operator source checkout; pass data_dir=... to use another directory)"
+            f"demo data directory not found: {directory} (the bundled data lives in "
+            "examples/data of the llm-operator source checkout; pass data_dir=... to use "
+            "another directory)"
         )
-    return path
-
-
-def _data_file(directory: Path, name: str) -> Path:
-    """A file of the demo data directory, checked to exist."""
     path = directory / name
     if not path.is_file():
-        present = sorted(p.name for p in directory.iterdir() if p.is_file())
+        present = ", ".join(sorted(p.name for p in directory.iterdir() if p.is_file()))
         raise FileNotFoundError(
-            f"demo data file not found: {path} (files in {directory}: {', '.join(present) or 'none'})"
+            f"demo data file not found: {path} (files in {directory}: {present or 'none'})"
         )
     return path
 
 
 def _task_from_json(entry: Mapping[str, Any]) -> DemoTask:
     """Build and check one task of ``tasks.json``."""
-    missing = [
-        key
-        for key in ("name", "source", "labels", "system", "instructions", "examples", "template")
-        if key not in entry
-    ]
+    missing = [field.name for field in fields(DemoTask) if field.name not in entry]
     if missing:
         raise ValueError(f"task {entry.get('name', '?')!r} lacks {', '.join(missing)}")
     task = DemoTask(
@@ -143,7 +136,7 @@ def load_tasks(data_dir: Path | None = None) -> list[DemoTask]:
     Raises FileNotFoundError if the directory or file is missing and ValueError
     if a task is malformed or two tasks share a name.
     """
-    path = _data_file(_data_dir(data_dir), TASKS_FILE)
+    path = _data_file(data_dir, TASKS_FILE)
     entries = json.loads(path.read_text(encoding="utf-8"))
     if not isinstance(entries, list):
         raise ValueError(f"{path}: expected a JSON list of tasks")
@@ -158,7 +151,7 @@ def load_rows(source: str, data_dir: Path | None = None) -> list[dict]:
     """The rows of ``<source>.jsonl`` (e.g. ``"reviews"``), in file order."""
     if not _SOURCE_NAME.fullmatch(source):
         raise ValueError(f"invalid source name {source!r}")
-    path = _data_file(_data_dir(data_dir), f"{source}.jsonl")
+    path = _data_file(data_dir, f"{source}.jsonl")
     rows: list[dict] = []
     with path.open(encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):
@@ -232,15 +225,13 @@ def build_demo_rows(data_dir: Path | None = None, *, limit: int | None = None) -
     by_source: dict[str, list[DemoTask]] = {}
     for task in tasks:
         by_source.setdefault(task.source, []).append(task)
-    streams: list[list[dict]] = []
+    streams = []
     for source, source_tasks in by_source.items():
         rows = load_rows(source, data_dir)
         streams.append(
             [_demo_row(source_tasks[i % len(source_tasks)], row) for i, row in enumerate(rows)]
         )
-    demo: list[dict] = []
-    for position in range(max((len(stream) for stream in streams), default=0)):
-        demo.extend(stream[position] for stream in streams if position < len(stream))
+    demo = [row for rows in zip_longest(*streams) for row in rows if row is not None]
     return demo if limit is None else demo[:limit]
 
 
@@ -252,15 +243,10 @@ def parse_label(text: str, labels: Sequence[str]) -> str | None:
     and ``"lower"`` does not match ``low``. When two labels start at the same
     place the longer wins. The label is returned as spelled in ``labels``.
     """
-    best: tuple[int, int, str] | None = None
-    for label in labels:
-        if not label:
-            continue
+    found = []  # (where, -length, label) of each label that occurs
+    for label in filter(None, labels):
         pattern = rf"(?<![\w-]){re.escape(label)}(?![\w-])"
         match = re.search(pattern, text, flags=re.IGNORECASE)
-        if match is None:
-            continue
-        key = (match.start(), -len(label), label)
-        if best is None or key[:2] < best[:2]:
-            best = key
-    return None if best is None else best[2]
+        if match is not None:
+            found.append((match.start(), -len(label), label))
+    return min(found, key=lambda key: key[:2])[2] if found else None

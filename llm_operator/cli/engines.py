@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 ENGINES = ("local", "spark", "dask")
+CONSTRAINT_OPTIONS = ("choices_col", "regex_col", "json_schema_col")
+_TABLE_COLUMNS = ("row", "prompt", "key")  # the columns _spark and _dask build
 
 
 class Generated(NamedTuple):
@@ -81,10 +83,10 @@ def generate(
 
 
 def _to_result(record: Mapping[str, Any]):
+    """A GenerationResult from a Spark or Dask output record (NaN log-probability: none)."""
     from llm_operator.results import GenerationResult
 
-    logprob = record["logprob"]
-    choice_logprobs = record["choice_logprobs"]
+    logprob, choice_logprobs = record["logprob"], record["choice_logprobs"]
     return GenerationResult(
         text=record["text"] or "",
         token_ids=(),
@@ -92,7 +94,7 @@ def _to_result(record: Mapping[str, Any]):
         prompt_tokens=int(record["prompt_tokens"] or 0),
         completion_tokens=int(record["completion_tokens"] or 0),
         error=record["error"] if isinstance(record["error"], str) else None,
-        logprob=None if logprob is None or logprob != logprob else float(logprob),  # NaN: none
+        logprob=None if logprob is None or logprob != logprob else float(logprob),
         choice_logprobs=dict(choice_logprobs) if isinstance(choice_logprobs, Mapping) else None,
     )
 
@@ -112,22 +114,18 @@ def _spark(
 
     spark = session(partitions, master)  # local[partitions], a master URL or sc://
     chat = any(isinstance(p, list) for p in prompts)
-    if chat:
-        message = T.StructType(
-            [T.StructField("role", T.StringType()), T.StructField("content", T.StringType())]
-        )
-        prompt_type: T.DataType = T.ArrayType(message)
-        values = [p if isinstance(p, list) or p is None else None for p in prompts]
-    else:
-        prompt_type = T.StringType()
-        values = [p if isinstance(p, str) or p is None else None for p in prompts]
+    message = T.StructType([T.StructField(key, T.StringType()) for key in ("role", "content")])
+    prompt_type = T.ArrayType(message) if chat else T.StringType()
+    # one Spark column holds one type: other values go in as nulls (_restore_type_errors)
+    data = [
+        (row, p if isinstance(p, list if chat else str) else None) for row, p in enumerate(prompts)
+    ]
     fields = [T.StructField("row", T.LongType()), T.StructField("prompt", prompt_type)]
-    data = [(row, value) for row, value in enumerate(values)]
     if constraints is not None:  # each row's constraint, in a column named as the option says
         infer_kwargs, name = _constraint_column(infer_kwargs)
         cells, cell_type = _spark_cells(constraints)
         fields.append(T.StructField(name, cell_type))
-        data = [(row, value, cell) for (row, value), cell in zip(data, cells)]
+        data = [(*row, cell) for row, cell in zip(data, cells)]
     frame = spark.createDataFrame(data, T.StructType(fields)).repartition(partitions)
     report = None
     if infer_kwargs.get("co_locate", True):
@@ -139,16 +137,7 @@ def _spark(
     out = frame.select("row", llm_infer("prompt", value=False, **infer_kwargs).alias("out"))
     rows = sorted(out.collect(), key=lambda r: r["row"])
     results = [_to_result(r["out"].asDict()) for r in rows]
-    if chat:  # one Spark column holds one type: plain strings went in as nulls
-        from llm_operator.results import GenerationResult
-
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                message = (
-                    "this Spark column holds chat message lists; a plain string cannot join it"
-                )
-                results[i] = GenerationResult.failed(message)
-    return _restore_type_errors(prompts, results), report
+    return _restore_type_errors(prompts, results, chat=chat), report
 
 
 def dask_client(scheduler: str | None = None):
@@ -225,20 +214,10 @@ def _dask(
     finally:
         if owned:
             client.close()
-    computed = computed.sort_values("row")
+    names = "finish_reason prompt_tokens completion_tokens error logprob choice_logprobs".split()
     results = [
-        _to_result(
-            {
-                "text": r["out"],
-                "finish_reason": r["out_finish_reason"],
-                "prompt_tokens": r["out_prompt_tokens"],
-                "completion_tokens": r["out_completion_tokens"],
-                "error": r["out_error"],
-                "logprob": r["out_logprob"],
-                "choice_logprobs": r["out_choice_logprobs"],
-            }
-        )
-        for r in computed.to_dict("records")
+        _to_result({"text": r["out"], **{name: r[f"out_{name}"] for name in names}})
+        for r in computed.sort_values("row").to_dict("records")
     ]
     return _restore_type_errors(prompts, results), report
 
@@ -263,10 +242,6 @@ def _compute_with_progress(ddf, client, progress: bool):
 
         show_progress(future)
     return future.result()
-
-
-CONSTRAINT_OPTIONS = ("choices_col", "regex_col", "json_schema_col")
-_TABLE_COLUMNS = ("row", "prompt", "key")  # the columns _spark and _dask build
 
 
 def _constraint_column(infer_kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
@@ -319,13 +294,18 @@ def _spark_cells(cells: Sequence[Any]):
     return text, T.StringType()
 
 
-def _restore_type_errors(prompts: Sequence[Any], results: list) -> list:
-    """Values a column cannot hold (wrong types) went in as nulls; say what they were."""
+def _restore_type_errors(prompts: Sequence[Any], results: list, chat: bool = False) -> list:
+    """Values a column cannot hold (wrong types; with ``chat``, plain strings in Spark's
+    column of message lists) went in as nulls; say what they were."""
     from llm_operator.results import GenerationResult
 
     for i, prompt in enumerate(prompts):
         if prompt is not None and not isinstance(prompt, (str, list)):
             results[i] = GenerationResult.failed(
                 f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}"
+            )
+        elif chat and isinstance(prompt, str):
+            results[i] = GenerationResult.failed(
+                "this Spark column holds chat message lists; a plain string cannot join it"
             )
     return results

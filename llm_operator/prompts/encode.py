@@ -165,12 +165,12 @@ def params_per_row(sampling, rows: int) -> list[SamplingParams]:
 
 
 def _as_list(prompts) -> list:
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-        if hasattr(prompts, "tolist"):
-            return prompts.tolist()
-        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
-            raise TypeError(
-                f"prompts must be a list of strings or chat message lists, got {type(prompts).__name__}"
-            )
+    if isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)):
         return list(prompts)
+    if hasattr(prompts, "tolist"):  # numpy, pandas
+        return prompts.tolist()
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
+        raise TypeError(
+            f"prompts must be a list of strings or chat message lists, got {type(prompts).__name__}"
+        )
     return list(prompts)

@@ -137,23 +137,16 @@ class _Counts:
 def plan_fields(prompt: TablePrompt, stats: FieldStatistics, *, reorder: bool = True) -> FieldPlan:
     """Estimate the given order and (with ``reorder``) choose the best one."""
     counts = _Counts(stats)
-    everything = frozenset(prompt.fields)
-    sets = [*_prefix_sets(prompt), everything]
-    small = [b for b in _block_fields(prompt) if len(b[1]) <= EXHAUSTIVE_FIELDS]
-    if reorder:
-        for base, fields in small:
-            sets += [base | frozenset(c) for k in range(1, len(fields) + 1)
-                     for c in combinations(fields, k)]  # fmt: skip
+    fields = prompt.fields
+    sets = [frozenset(fields[: i + 1]) for i in range(len(fields))]  # the given order's
+    blocks = _blocks(prompt) if reorder else []
+    for base, names in blocks:
+        if len(names) <= EXHAUSTIVE_FIELDS:  # every subset of the block, after its base
+            sets += [base | frozenset(c) for k in range(1, len(names) + 1)
+                     for c in combinations(names, k)]  # fmt: skip
     counts.fetch(sets)
-    chosen = prompt
-    if reorder:
-        order: list[str] = []
-        for base, fields in _block_fields(prompt):
-            if len(fields) <= EXHAUSTIVE_FIELDS:
-                order += _exact_order(prompt, base, fields, counts, stats)
-            else:
-                order += _greedy_order(prompt, base, fields, counts, stats)
-        chosen = prompt.reordered(order)
+    order = [n for base, names in blocks for n in _order(prompt, base, names, counts, stats)]
+    chosen = prompt.reordered(order) if reorder else prompt
     total = stats.rows * sum(
         len(p) if isinstance(p, str) else stats.mean_chars[p.name] for p in prompt.pieces()
     )
@@ -161,7 +154,7 @@ def plan_fields(prompt: TablePrompt, stats: FieldStatistics, *, reorder: bool = 
         given=prompt,
         chosen=chosen,
         rows=stats.rows,
-        distinct_prompts=counts[everything] if stats.rows else 0,
+        distinct_prompts=counts[frozenset(fields)] if stats.rows else 0,
         given_chars=estimate(prompt, counts, stats),
         chosen_chars=estimate(chosen, counts, stats),
         total_chars=total,
@@ -183,49 +176,49 @@ def estimate(prompt: TablePrompt, counts: Any, stats: FieldStatistics) -> float:
     return chars
 
 
-def _prefix_sets(prompt: TablePrompt) -> list[frozenset[str]]:
-    seen: frozenset[str] = frozenset()
-    sets = []
-    for piece in prompt.pieces():
-        if isinstance(piece, Field):
-            seen = seen | {piece.name}
-            sets.append(seen)
-    return sets
-
-
-def _block_fields(prompt: TablePrompt) -> list[tuple[frozenset[str], tuple[str, ...]]]:
+def _blocks(prompt: TablePrompt) -> list[tuple[frozenset[str], tuple[str, ...]]]:
     """(fields before the block, the block's fields in given order) per block."""
-    out = []
-    for block in prompt.blocks:
-        before = frozenset(
-            p.name for line in prompt.lines[: block[0]] for p in line if isinstance(p, Field)
+    return [
+        (
+            frozenset(TablePrompt(prompt.lines[: block[0]], ()).fields),
+            tuple(prompt._line_field(i) for i in block),
         )
-        out.append((before, tuple(prompt._line_field(i) for i in block)))
-    return out
+        for block in prompt.blocks
+    ]
 
 
 def _line_costs(prompt: TablePrompt, name: str, stats: FieldStatistics) -> tuple[float, float]:
-    """(chars before the field: the newline and label; chars with it: value and trailing
-    text) of the block line holding ``name``."""
-    for block in prompt.blocks:
-        for index in block:
-            line = prompt.lines[index]
-            if prompt._line_field(index) != name:
-                continue
-            position = next(i for i, p in enumerate(line) if isinstance(p, Field))
-            before = 1 + sum(len(p) for p in line[:position])  # 1: the line's newline
-            after = stats.mean_chars[name] + sum(len(p) for p in line[position + 1 :])
-            return before, after
-    raise AssertionError(f"{name} is on no block line")
+    """(chars before the field: the newline and label; chars with it: the value and the
+    trailing text) of the first block line holding ``name``."""
+    index = next(i for block in prompt.blocks for i in block if prompt._line_field(i) == name)
+    line = prompt.lines[index]
+    at = next(i for i, p in enumerate(line) if isinstance(p, Field))
+    before = 1 + sum(len(p) for p in line[:at])  # 1: the line's newline
+    return before, stats.mean_chars[name] + sum(len(p) for p in line[at + 1 :])
 
 
-def _exact_order(
+def _order(
     prompt: TablePrompt,
     base: frozenset[str],
     fields: tuple[str, ...],
     counts: _Counts,
     stats: FieldStatistics,
 ) -> list[str]:
+    """The block's fields in their cheapest order after ``base``: exact for up to
+    ``EXHAUSTIVE_FIELDS`` fields (a dynamic program over subsets), greedy beyond."""
+    if len(fields) > EXHAUSTIVE_FIELDS:
+        placed: list[str] = []
+        while len(placed) < len(fields):
+            now = base | frozenset(placed)
+            remaining = [name for name in fields if name not in placed]
+            counts.fetch([now | {name} for name in remaining])
+            placed.append(
+                min(
+                    remaining,
+                    key=lambda n: (counts[now | {n}], -stats.mean_chars[n], fields.index(n)),
+                )
+            )
+        return placed
     costs = {name: _line_costs(prompt, name, stats) for name in fields}
     position = {name: i for i, name in enumerate(fields)}
     # best[S]: (cost, positions of the order) of placing exactly the fields of S first
@@ -241,27 +234,6 @@ def _exact_order(
                 options.append((round(cost, 6), best[rest][1] + (position[name],)))
             best[subset] = min(options)
     return [fields[i] for i in best[frozenset(fields)][1]]
-
-
-def _greedy_order(
-    prompt: TablePrompt,
-    base: frozenset[str],
-    fields: tuple[str, ...],
-    counts: _Counts,
-    stats: FieldStatistics,
-) -> list[str]:
-    placed: list[str] = []
-    remaining = list(fields)
-    while remaining:
-        now = base | frozenset(placed)
-        counts.fetch([now | {name} for name in remaining])
-        best = min(
-            remaining,
-            key=lambda n: (counts[now | {n}], -stats.mean_chars[n], fields.index(n)),
-        )
-        placed.append(best)
-        remaining.remove(best)
-    return placed
 
 
 # -- statistics of an in-memory Arrow table (the CLI): exact -------------------------

@@ -1,21 +1,17 @@
-"""Prompts built from a table's columns: a template, or ``name: value`` lines after an
-instruction; and which of their parts may move when fields are reordered.
+"""Prompts built from a table's columns, and which of their lines may move (the README's
+"Prompts from columns" has the user's view).
 
     TablePrompt.build(template="Title: {title}\\nGenres: {genres}\\nIs it a comedy?")
     TablePrompt.build(columns=["title", "genres"], instruction="Is it a comedy?")
 
-A prompt is a list of lines, each a sequence of literal text and ``{field}`` references.
-What may move (``reorder_fields``): a run of consecutive lines that each hold exactly one
-field, such as ``Title: {title}`` then ``Genres: {genres}``, is a *block*; the lines of a
-block may be permuted as whole lines, label and all. Everything else stays where the
-user put it: lines of literal text only (an instruction, a question), lines holding two
-or more fields, and the blank lines between. ``columns=`` renders as the instruction,
-a blank line, then one block of ``name: value`` lines.
+A prompt is a list of lines, each literal text and ``{field}`` references. A run of
+consecutive lines that each hold exactly one field is a *block*, whose lines
+``reordered`` may permute, label and all; every other line stays. ``columns=`` renders as
+the instruction, a blank line, then one block of ``name: value`` lines.
 
-Values render as text (``render_arrow``; Spark and Dask render the same way, see their
-modules): strings as they are, numbers and booleans by Arrow's cast to string ("3",
-"4.5", "true"), and a null (None, NaN, NA) as the empty value ``NULL_TEXT``: the line and
-its label stay (``brand: ``), so every row has the same lines.
+Values render as text (``render_arrow``; Spark and Dask render alike): strings as they
+are, numbers and booleans by Arrow's cast ("3", "4.5", "true"), a null as ``NULL_TEXT``
+after its label (``brand: ``), so every row has the same lines.
 """
 
 from __future__ import annotations
@@ -132,19 +128,13 @@ class TablePrompt:
 
     def text(self) -> str:
         """The prompt as a template (fields as ``{name}``), for reports."""
-        return "".join(p if isinstance(p, str) else "{" + p.name + "}" for p in self.pieces())
+        return self.render({name: "{" + name + "}" for name in self.fields})
 
     # -- rendering -----------------------------------------------------------------
     def render(self, values: Mapping[str, str | None]) -> str:
         """One prompt from a row's values, already text (None renders as ``NULL_TEXT``)."""
-        parts = []
-        for piece in self.pieces():
-            if isinstance(piece, str):
-                parts.append(piece)
-            else:
-                value = values[piece.name]
-                parts.append(NULL_TEXT if value is None else value)
-        return "".join(parts)
+        texts = {name: NULL_TEXT if values[name] is None else values[name] for name in self.fields}
+        return "".join(p if isinstance(p, str) else texts[p.name] for p in self.pieces())
 
     # -- reordering ----------------------------------------------------------------
     def reordered(self, order: Sequence[str]) -> TablePrompt:
@@ -189,26 +179,15 @@ def _blocks(lines: Sequence[Line]) -> tuple[tuple[int, ...], ...]:
     """Runs of two or more consecutive lines holding exactly one field each (and not
     the same field twice in a run)."""
     blocks: list[tuple[int, ...]] = []
-    run: list[int] = []
-    seen: set[str] = set()
-
-    def close() -> None:
-        if len(run) >= 2:
-            blocks.append(tuple(run))
-        run.clear()
-        seen.clear()
-
-    for index, line in enumerate(lines):
+    run: dict[str, int] = {}  # the run's fields -> their line indices
+    for index, line in enumerate([*lines, ()]):  # a last empty line closes the last run
         fields = [p.name for p in line if isinstance(p, Field)]
-        if len(fields) == 1 and fields[0] not in seen:
-            run.append(index)
-            seen.add(fields[0])
-        else:
-            close()
-            if len(fields) == 1:  # a repeated field starts a new run
-                run.append(index)
-                seen.add(fields[0])
-    close()
+        if len(fields) != 1 or fields[0] in run:  # a repeated field starts a new run
+            if len(run) >= 2:
+                blocks.append(tuple(run.values()))
+            run = {}
+        if len(fields) == 1:
+            run[fields[0]] = index
     return tuple(blocks)
 
 
@@ -246,60 +225,34 @@ def table_options(options: dict[str, Any]) -> TablePrompt | None:
 
 
 # -- rendering Arrow columns (the CLI and Dask) ---------------------------------------
-def renderable_arrow_type(data_type: Any) -> bool:
-    """Whether values of this Arrow type render as text: strings, numbers, booleans,
-    dates, times, timestamps, dictionary-encoded strings, and all-null columns."""
-    import pyarrow as pa
-
-    types = pa.types
-    if types.is_dictionary(data_type):
-        return renderable_arrow_type(data_type.value_type)
-    return any(
-        check(data_type)
-        for check in (
-            types.is_string,
-            types.is_large_string,
-            lambda t: hasattr(types, "is_string_view") and types.is_string_view(t),
-            types.is_integer,
-            types.is_floating,
-            types.is_decimal,
-            types.is_boolean,
-            types.is_date,
-            types.is_time,
-            types.is_timestamp,
-            types.is_null,
-        )
-    )
-
-
-def arrow_text(column: Any, name: str) -> Any:
-    """A column of any renderable Arrow type as strings, nulls kept (TypeError naming the
-    column otherwise)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks()
-    if not renderable_arrow_type(column.type):
-        raise TypeError(
-            f"column {name!r} holds {column.type} values, which do not render as prompt text; "
-            "cast it to a string first or leave it out"
-        )
-    if pa.types.is_dictionary(column.type):
-        column = column.dictionary_decode()
-    return pc.cast(column, pa.string())
+# the Arrow types whose values render as text (pyarrow.types.is_<name>), also dictionary-encoded
+_TEXT_TYPES = ("string", "large_string", "string_view", "integer", "floating", "decimal")
+_TEXT_TYPES += ("boolean", "date", "time", "timestamp", "null")
 
 
 def field_texts(table: Any, prompt: TablePrompt) -> dict[str, Any]:
     """Each field of a pyarrow Table as rendered text, nulls as ``NULL_TEXT`` (ValueError
     naming missing columns, TypeError naming ones that do not render)."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     check_columns(prompt, table.column_names, "the table")
-    return {
-        name: pc.fill_null(arrow_text(table.column(name), name), NULL_TEXT)
-        for name in prompt.fields
-    }
+    texts = {}
+    for name in prompt.fields:
+        column = table.column(name)
+        if isinstance(column, pa.ChunkedArray):
+            column = column.combine_chunks()
+        kind = column.type.value_type if pa.types.is_dictionary(column.type) else column.type
+        # a check this pyarrow lacks (is_string_view before 16) matches nothing
+        if not any(getattr(pa.types, f"is_{t}", lambda _: False)(kind) for t in _TEXT_TYPES):
+            raise TypeError(
+                f"column {name!r} holds {column.type} values, which do not render as prompt "
+                "text; cast it to a string first or leave it out"
+            )
+        if pa.types.is_dictionary(column.type):
+            column = column.dictionary_decode()
+        texts[name] = pc.fill_null(pc.cast(column, pa.string()), NULL_TEXT)
+    return texts
 
 
 def render_arrow(table: Any, prompt: TablePrompt) -> list[str]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -47,7 +48,7 @@ class HFBackend:
         self.model = model
         self.tokenizer = tokenizer
         # batch sizes left to the engine: the CPU's, unless build_backend sized them for a GPU
-        self.engine_config = engine_config = engine_config.with_batch_defaults(None)
+        self.engine_config = engine_config.with_batch_defaults(None)
         self.kv_cache_bytes = kv_cache_bytes
         self.device = next(model.parameters()).device
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -65,10 +66,8 @@ class HFBackend:
     ) -> tuple[torch.Tensor, DynamicCache]:
         """Logits of the last column [rows, vocab] and the cache holding the new K/V."""
         # input_ids, position_ids: [rows, new]; attention_mask: [rows, cached + new]
-        if cache is None:
-            cache = DynamicCache()
-        elif not isinstance(cache, DynamicCache):
-            cache = DynamicCache(ddp_cache_data=cache)
+        if not isinstance(cache, DynamicCache):
+            cache = DynamicCache(ddp_cache_data=cache)  # None: an empty cache
         out = self.model(
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
@@ -85,15 +84,13 @@ class HFBackend:
         return _HFSteps(self, run)
 
 
+@dataclass(slots=True)
 class _Row:
-    """A request in the batch: its state and the tokens to feed next (the sampled token,
-    then any jump-forward tokens)."""
+    """A request in the batch and the tokens to feed next (the sampled token, then any
+    jump-forward tokens)."""
 
-    __slots__ = ("request", "pending")
-
-    def __init__(self, request: Request) -> None:
-        self.request = request
-        self.pending: list[int] = []
+    request: Request
+    pending: list[int] = field(default_factory=list)
 
 
 class _HFSteps:
@@ -130,9 +127,9 @@ class _HFSteps:
                 if chosen or any(self.slots):
                     break  # wait for rows to finish
                 self.waiting.popleft()
-                self._fail(
-                    request, "the request needs more KV cache memory than kv_cache_memory allows"
-                )
+                message = "the request needs more KV cache memory than kv_cache_memory allows"
+                self.run.fail(request.request_id, message)
+                self.prefixes.release(request)
                 continue
             chosen.append(self.waiting.popleft())
         if not chosen:
@@ -146,21 +143,19 @@ class _HFSteps:
         budget = self.backend.kv_cache_bytes
         if budget is None:
             return True
-        active = [row for row in self.slots if row is not None]
-        entering = chosen + [request]
-        rows = len(active) + len(entering)
+        active = [row.request.decoder for row in self.slots if row is not None]
+        entering = [*chosen, request]
         # an entering row spans (longest prefix + longest suffix) columns of its prefill pass
         entering_time = max(r.prefix_length for r in entering) + max(
             len(r.suffix) for r in entering
         )
         time = max(self.batch.time if self.batch else 0, entering_time)
-        decoders = [row.request.decoder for row in active]
         remaining = max(
-            [d.max_tokens - len(d.token_ids) for d in decoders]
+            [d.max_tokens - len(d.token_ids) for d in active]
             + [self.run.requests[r.request_id].params.max_tokens for r in entering]
         )
         columns = time + remaining + GROWTH_COLUMNS  # the buffer grows in steps of GROWTH_COLUMNS
-        projected = rows * columns * self.prefixes.bytes_per_token()
+        projected = (len(active) + len(entering)) * columns * self.prefixes.bytes_per_token
         return projected + self.prefixes.held_bytes() <= budget
 
     def _prefill_parts(self, chosen: list[PlannedRequest]) -> list[list[PlannedRequest]]:
@@ -179,102 +174,80 @@ class _HFSteps:
 
     def _prefill_and_insert(self, requests: list[PlannedRequest], free: list[int]) -> None:
         """Prefill the requests' suffixes from their prefix K/V, sample their first token, add them to the batch."""
-        prefixes = [
-            self.prefixes.acquire(r) for r in requests
-        ]  # (layers [1,h,P,d], last logits) per request
-        prefix_time = max(len(r.token_ids) - len(r.suffix) for r in requests)
+        # (layers [1, h, P, d], last logits) per request
+        prefixes = [self.prefixes.acquire(r) for r in requests]
+        prefix_time = max(r.prefix_length for r in requests)
         suffix_time = max(len(r.suffix) for r in requests)
         rows = len(requests)
         mask = torch.zeros(rows, prefix_time + suffix_time, dtype=torch.bool)
         input_ids = torch.full((rows, suffix_time), self.backend.pad_token_id, dtype=torch.long)
         position_ids = torch.zeros(rows, suffix_time, dtype=torch.long)
-        for i, request in enumerate(requests):
-            prefix_length, suffix = request.prefix_length, request.suffix
-            mask[i, prefix_time - prefix_length : prefix_time] = True
-            mask[i, prefix_time + suffix_time - len(suffix) :] = True
-            if suffix:
-                input_ids[i, suffix_time - len(suffix) :] = torch.as_tensor(
-                    list(suffix), dtype=torch.long
-                )
-                position_ids[i, suffix_time - len(suffix) :] = torch.arange(
-                    prefix_length, len(request.token_ids)
-                )
+        for i, r in enumerate(requests):  # prefixes and suffixes right-aligned
+            start = suffix_time - len(r.suffix)
+            mask[i, prefix_time - r.prefix_length : prefix_time] = True
+            mask[i, prefix_time + start :] = True
+            input_ids[i, start:] = torch.as_tensor(list(r.suffix), dtype=torch.long)
+            position_ids[i, start:] = torch.arange(r.prefix_length, len(r.token_ids))
         layers = _stack_prefixes([p[0] for p in prefixes], prefix_time)
         if suffix_time > 0:
             logits, cache = self.backend.forward(input_ids, mask, position_ids, layers)
             layers = layers_of(cache)
             self.run.prefill_tokens += sum(len(r.suffix) for r in requests)
-        else:
-            logits = None
         first_logits = torch.stack(
-            [
-                p[1] if not r.suffix else logits[i]
-                for i, (r, p) in enumerate(zip(requests, prefixes))
-            ]
+            [logits[i] if r.suffix else p[1] for i, (r, p) in enumerate(zip(requests, prefixes))]
         )
         for request in requests:
             self.prefixes.release(request)
-        new_rows = [_Row(self.run.requests[r.request_id]) for r in requests]
         tokens = self.run.sample(first_logits, [r.request_id for r in requests])
         positions = torch.tensor([len(r.token_ids) for r in requests], dtype=torch.long)
         reused = free[:rows]  # BATON: freed rows of the running batch first
         del free[:rows]
-        appended = list(range(len(self.slots), len(self.slots) + rows - len(reused)))
-        self.slots.extend([None] * len(appended))
-        slots = reused + appended
+        slots = reused + list(range(len(self.slots), len(self.slots) + rows - len(reused)))
+        self.slots.extend([None] * (rows - len(reused)))
         if self.batch is None:
             assert slots == list(range(rows)), "an empty batch fills from slot 0"
             self.batch = DenseBatchCache(layers, mask, positions)
         else:
             self.batch.write_rows(slots, layers, mask, positions)
-        finished = []
-        for slot, row, token in zip(slots, new_rows, tokens):
-            self.slots[slot] = row
-            if self._append_token(row, token):
-                finished.append(slot)
-        self._retire(finished)
+        for slot, request in zip(slots, requests):
+            self.slots[slot] = _Row(self.run.requests[request.request_id])
+        self._append(slots, tokens)
 
     # -- decoding --------------------------------------------------------
     def decode(self) -> None:
         """One forward pass over the running rows: one column each, or as many as the
         longest pending (a row's sampled token and its jump-forward tokens, right-aligned,
         with masked holes left of a shorter row's tokens)."""
-        batch, pad = self.batch, self.backend.pad_token_id
+        pad = self.backend.pad_token_id
         pending = [row.pending if row is not None else [pad] for row in self.slots]
         counts = [len(p) for p in pending]
         width = max(counts)
         tokens = torch.full((len(pending), width), pad, dtype=torch.long)
         for i, p in enumerate(pending):
             tokens[i, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
-        cache, mask, positions = batch.prepare_decode(counts if width > 1 else None)
+        cache, mask, positions = self.batch.prepare_decode(counts if width > 1 else None)
         logits, _ = self.backend.forward(tokens, mask, positions, cache)
-        batch.finish_decode()
+        self.batch.finish_decode()
         live = [i for i, row in enumerate(self.slots) if row is not None]
         index = torch.tensor(live, dtype=torch.long)
         sampled = self.run.sample(
             logits[index.to(logits.device)], [self.slots[i].request.request_id for i in live]
         )
-        finished = [
-            slot
-            for slot, token in zip(live, sampled)
-            if self._append_token(self.slots[slot], token)
-        ]
-        self._retire(finished)
+        self._append(live, sampled)
 
-    def _append_token(self, row: _Row, token: int) -> bool:
-        """Record the token (the run applies the stop rules); True when the row finished."""
-        request_id = row.request.request_id
-        finished = self.run.append(request_id, token)
-        row.pending = [token, *self.run.jumped(request_id)]
-        return finished
-
-    def _retire(self, slots: list[int]) -> None:
-        """Free the slots of finished rows (their outputs are in the run already)."""
-        if not slots:
-            return
-        for slot in slots:
+    def _append(self, slots: list[int], tokens: list[int]) -> None:
+        """Record each row's token (the run applies the stop rules) and what it feeds next;
+        free the slots of rows that finished (their outputs are in the run already)."""
+        finished = []
+        for slot, token in zip(slots, tokens):
+            row = self.slots[slot]
+            if self.run.append(row.request.request_id, token):
+                finished.append(slot)
+            row.pending = [token, *self.run.jumped(row.request.request_id)]
+        for slot in finished:
             self.slots[slot] = None
-        self.batch.park_rows(slots)
+        if finished:
+            self.batch.park_rows(finished)
 
     def _compact(self) -> None:
         """With nothing to admit, drop parked rows once they are a quarter of the batch."""
@@ -288,25 +261,20 @@ class _HFSteps:
         self.batch.keep_rows(live)
         self.slots = [self.slots[i] for i in live]
 
-    def _fail(self, request: PlannedRequest, message: str) -> None:
-        self.run.fail(request.request_id, message)
-        self.prefixes.release(request)
-
 
 def _stack_prefixes(prefixes: list[KVLayers | None], prefix_time: int) -> KVLayers | None:
-    """Left-pad each request's prefix K/V to prefix_time and stack them on the row axis."""
+    """Left-pad each request's prefix K/V to prefix_time and stack them on the row axis
+    (zeros for a request without one)."""
     if prefix_time == 0:
         return None
     template = next(p for p in prefixes if p is not None)
-    stacked = []
-    for layer_index, (k0, v0) in enumerate(template):
-        keys = k0.new_zeros(len(prefixes), k0.shape[1], prefix_time, k0.shape[3])
-        values = v0.new_zeros(len(prefixes), v0.shape[1], prefix_time, v0.shape[3])
+
+    def stacked(layer: int, kv: int) -> torch.Tensor:  # kv: 0 keys, 1 values
+        first = template[layer][kv]
+        out = first.new_zeros(len(prefixes), first.shape[1], prefix_time, first.shape[3])
         for i, prefix in enumerate(prefixes):
-            if prefix is None:
-                continue
-            k, v = prefix[layer_index]
-            keys[i, :, prefix_time - k.shape[2] :] = k[0]
-            values[i, :, prefix_time - v.shape[2] :] = v[0]
-        stacked.append((keys, values))
-    return stacked
+            if prefix is not None:
+                out[i, :, prefix_time - prefix[layer][kv].shape[2] :] = prefix[layer][kv][0]
+        return out
+
+    return [(stacked(layer, 0), stacked(layer, 1)) for layer in range(len(template))]

@@ -16,6 +16,7 @@ running rows never wait for it or recompute around it.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 GROWTH_COLUMNS = 64
@@ -39,33 +40,30 @@ def layers_of(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 class _BufferLayer(DynamicLayer):
-    """A cache layer that appends into a preallocated buffer instead of concatenating."""
+    """One layer's view of its owner's buffers: ``update`` writes in place instead of
+    concatenating."""
 
-    def __init__(
-        self, buffer_keys: torch.Tensor, buffer_values: torch.Tensor, owner: DenseBatchCache
-    ):
+    def __init__(self, owner: DenseBatchCache, index: int) -> None:
         super().__init__()
-        self.buffer_keys = buffer_keys  # [rows, kv_heads, capacity, head_dim]
-        self.buffer_values = buffer_values
         self.owner = owner
-        self.device = buffer_keys.device
+        self.index = 2 * index  # its keys' buffer in owner.buffers; its values' follows
+        self.device = owner.buffers[self.index].device
         self.is_initialized = True
-        self.refresh_views()
+        self.view(owner.length)
 
-    def refresh_views(self) -> None:
-        start, length = self.owner.start, self.owner.length
-        self.keys = self.buffer_keys[:, :, start:length]
-        self.values = self.buffer_values[:, :, start:length]
+    def view(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the live columns up to ``end``."""
+        start, buffers = self.owner.start, self.owner.buffers
+        self.keys = buffers[self.index][:, :, start:end]
+        self.values = buffers[self.index + 1][:, :, start:end]
+        return self.keys, self.values
 
     def update(self, key_states, value_states, *args, **kwargs):
         # key_states: [rows, kv_heads, new, head_dim]; the owner made room beforehand
         length, new = self.owner.length, key_states.shape[-2]
-        self.buffer_keys[:, :, length : length + new] = key_states
-        self.buffer_values[:, :, length : length + new] = value_states
-        start = self.owner.start
-        self.keys = self.buffer_keys[:, :, start : length + new]
-        self.values = self.buffer_values[:, :, start : length + new]
-        return self.keys, self.values
+        self.owner.buffers[self.index][:, :, length : length + new] = key_states
+        self.owner.buffers[self.index + 1][:, :, length : length + new] = value_states
+        return self.view(length + new)
 
 
 class DenseBatchCache:
@@ -73,6 +71,7 @@ class DenseBatchCache:
 
     mask: [rows, capacity] bool, True where a row has a real token.
     positions: [rows] the position id of each row's next token.
+    buffers: keys then values of each layer, [rows, kv_heads, capacity, head_dim] each.
     """
 
     def __init__(
@@ -83,12 +82,12 @@ class DenseBatchCache:
     ):
         # layers[i]: (keys, values), each [rows, kv_heads, time, head_dim]; mask: [rows, time]
         self.start = 0
-        self.length = mask.shape[1]
-        self.capacity = self.length
+        self.length = self.capacity = mask.shape[1]
         self.mask = mask.clone()
         self.positions = positions.clone()
-        self.layers = [_BufferLayer(k.clone(), v.clone(), self) for k, v in layers]
-        self._new, self._counts = 1, None  # the step in flight (prepare_decode)
+        self.buffers = [t.clone() for pair in layers for t in pair]
+        self.layers = [_BufferLayer(self, i) for i in range(len(layers))]
+        self._new, self._advance = 1, 1  # the step in flight (prepare_decode)
         self._zero_padding(slice(None))
 
     # -- shape -----------------------------------------------------------
@@ -117,31 +116,27 @@ class DenseBatchCache:
         ``max(counts)`` columns with holes (mask False) left of a shorter row's tokens.
         Returns (cache, attention mask [rows, time + new], position ids [rows, new])."""
         new = max(counts) if counts else 1
-        self._ensure_room(new)
-        columns = slice(self.length, self.length + new)
+        if self.length + new > self.capacity:
+            self._reallocate(left=0, right=max(new, GROWTH_COLUMNS))
+        self._new, self._advance = new, 1
         if new == 1:
             self.mask[:, self.length] = True
             positions = self.positions.unsqueeze(1)
         else:
             count = torch.as_tensor(counts, dtype=torch.long, device=self.mask.device)
             offsets = torch.arange(new, device=self.mask.device) - (new - count).unsqueeze(1)
-            self.mask[:, columns] = offsets >= 0
+            self.mask[:, self.length : self.length + new] = offsets >= 0
             positions = self.positions.unsqueeze(1) + offsets.clamp(min=0).to(self.positions)
-        self._new = new
-        self._counts = counts
+            self._advance = torch.as_tensor(counts, dtype=self.positions.dtype)
         cache = DynamicCache()
         cache.layers = list(self.layers)
         return cache, self.mask[:, self.start : self.length + new], positions
 
     def finish_decode(self) -> None:
         """The forward pass wrote the step's columns; advance."""
-        new, counts = self._new, self._counts
-        self.length += new
-        if counts is None or new == 1:
-            self.positions += 1
-        else:
-            self.positions += torch.as_tensor(counts, dtype=self.positions.dtype)
-        self._new, self._counts = 1, None
+        self.length += self._new
+        self.positions += self._advance
+        self._new, self._advance = 1, 1
         self._refresh()
 
     # -- rows ------------------------------------------------------------
@@ -161,18 +156,18 @@ class DenseBatchCache:
         )
         if row_time > self.time:
             self._extend_left(row_time - self.time)
-        if appended:
-            self._add_rows(len(appended))
+        if appended:  # zero rows at the end of every tensor
+            self.mask = F.pad(self.mask, (0, 0, 0, len(appended)))
+            self.positions = F.pad(self.positions, (0, len(appended)))
+            self.buffers = [F.pad(b, (0, 0, 0, 0, 0, 0, 0, len(appended))) for b in self.buffers]
         index = torch.tensor(slots, dtype=torch.long)
         left = self.length - row_time
         self.mask[index] = False
         self.mask[index, left : self.length] = mask.to(self.mask.device)
         self.positions[index] = positions.to(self.positions.device)
-        for layer, (keys, values) in zip(self.layers, layers):
-            layer.buffer_keys[index] = 0
-            layer.buffer_values[index] = 0
-            layer.buffer_keys[index, :, left : self.length] = keys
-            layer.buffer_values[index, :, left : self.length] = values
+        for buffer, tensor in zip(self.buffers, (t for pair in layers for t in pair)):
+            buffer[index] = 0
+            buffer[index, :, left : self.length] = tensor
         self._zero_padding(index)
         self.trim()
 
@@ -186,37 +181,23 @@ class DenseBatchCache:
     def keep_rows(self, slots: list[int]) -> None:
         """Drop every row not in ``slots`` (in that order)."""
         index = torch.tensor(slots, dtype=torch.long)
-        self.mask = self.mask[index]
-        self.positions = self.positions[index]
-        for layer in self.layers:
-            layer.buffer_keys = layer.buffer_keys[index]
-            layer.buffer_values = layer.buffer_values[index]
+        self.mask, self.positions = self.mask[index], self.positions[index]
+        self.buffers = [b[index] for b in self.buffers]
         self.trim()
 
     def trim(self) -> None:
         """Drop leading columns that are padding in every row."""
         live = self.mask[:, self.start : self.length].any(dim=0)
-        if live.any():
-            self.start += int(live.float().argmax())
-        else:
-            self.start = self.length
+        self.start = self.start + int(live.float().argmax()) if live.any() else self.length
         self._refresh()
 
     # -- buffers ---------------------------------------------------------
-    def _ensure_room(self, columns: int) -> None:
-        if self.length + columns <= self.capacity:
-            return
-        extra = max(columns, GROWTH_COLUMNS)
-        self._reallocate(left=0, right=extra)
-
     def _extend_left(self, columns: int) -> None:
         if self.start >= columns:
-            old_start = self.start
             self.start -= columns
-            self.mask[:, self.start : old_start] = False
-            for layer in self.layers:
-                layer.buffer_keys[:, :, self.start : old_start] = 0
-                layer.buffer_values[:, :, self.start : old_start] = 0
+            self.mask[:, self.start : self.start + columns] = False
+            for buffer in self.buffers:
+                buffer[:, :, self.start : self.start + columns] = 0
         else:
             self._reallocate(left=columns - self.start, right=0)
             self.start = 0
@@ -224,48 +205,25 @@ class DenseBatchCache:
 
     def _reallocate(self, *, left: int, right: int) -> None:
         """New buffers with ``left`` more columns before column 0 and ``right`` after capacity."""
-        rows = self.rows
-        mask = torch.zeros(
-            rows, left + self.capacity + right, dtype=torch.bool, device=self.mask.device
-        )
-        mask[:, left : left + self.capacity] = self.mask
-        self.mask = mask
-        for layer in self.layers:
-            for name in ("buffer_keys", "buffer_values"):
-                old = getattr(layer, name)
-                new = old.new_zeros(rows, old.shape[1], left + self.capacity + right, old.shape[3])
-                new[:, :, left : left + self.capacity] = old
-                setattr(layer, name, new)
+        self.mask = F.pad(self.mask, (left, right))
+        self.buffers = [F.pad(b, (0, 0, left, right)) for b in self.buffers]
         self.start += left
         self.length += left
         self.capacity += left + right
         self._refresh()
-
-    def _add_rows(self, count: int) -> None:
-        self.mask = torch.cat([self.mask, self.mask.new_zeros(count, self.capacity)])
-        self.positions = torch.cat([self.positions, self.positions.new_zeros(count)])
-        for layer in self.layers:
-            for name in ("buffer_keys", "buffer_values"):
-                old = getattr(layer, name)
-                setattr(layer, name, torch.cat([old, old.new_zeros(count, *old.shape[1:])]))
 
     def _zero_padding(self, index) -> None:
         """Zero K/V where the mask is False, so padding holds no NaN from padded queries."""
         pad = ~self.mask[index, : self.length]  # [rows, length]
         if not bool(pad.any()):
             return
-        keep_cpu = (~pad)[:, None, :, None]
-        for layer in self.layers:
-            keep = keep_cpu.to(layer.buffer_keys.device)
-            k = layer.buffer_keys[index, :, : self.length]
-            v = layer.buffer_values[index, :, : self.length]
-            layer.buffer_keys[index, :, : self.length] = torch.where(
-                keep, k, torch.zeros((), dtype=k.dtype)
-            )
-            layer.buffer_values[index, :, : self.length] = torch.where(
-                keep, v, torch.zeros((), dtype=v.dtype)
-            )
+        for keys, values in zip(self.buffers[::2], self.buffers[1::2]):
+            here = pad[:, None, :, None].to(keys.device)  # a layer's keys and values share one
+            for buffer in (keys, values):
+                buffer[index, :, : self.length] = buffer[index, :, : self.length].masked_fill(
+                    here, 0
+                )
 
     def _refresh(self) -> None:
         for layer in self.layers:
-            layer.refresh_views()
+            layer.view(self.length)

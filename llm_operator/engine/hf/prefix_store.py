@@ -44,16 +44,10 @@ class PrefixStore(SegmentPins):
         self.plan = plan
         self.entries: dict[int, tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]] = {}
         self.tokens_computed = 0
-        self._bytes_per_token = kv_bytes_per_token(model)
-
-    def bytes_per_token(self) -> int:
-        return self._bytes_per_token
+        self.bytes_per_token = kv_bytes_per_token(model)
 
     def held_bytes(self) -> int:
-        return sum(
-            sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
-            for layers, _ in self.entries.values()
-        )
+        return sum(k.nbytes + v.nbytes for layers, _ in self.entries.values() for k, v in layers)
 
     def acquire(self, request: PlannedRequest):
         if not request.chain:
@@ -65,16 +59,14 @@ class PrefixStore(SegmentPins):
             self.entries.pop(segment_id, None)
 
     def _segment(self, segment_id: int):
-        entry = self.entries.get(segment_id)
-        if entry is not None:
-            return entry
+        if segment_id in self.entries:
+            return self.entries[segment_id]
         segment = self.plan.segments[segment_id]
         parent = None if segment.parent_id is None else self._segment(segment.parent_id)[0]
         input_ids = torch.tensor([list(segment.token_ids)], dtype=torch.long)
         positions = torch.arange(segment.start, segment.end).unsqueeze(0)
         mask = torch.ones(1, segment.end, dtype=torch.bool)
         logits, cache = self.forward(input_ids, mask, positions, parent)
-        entry = (layers_of(cache), logits[0])
-        self.entries[segment_id] = entry
+        self.entries[segment_id] = (layers_of(cache), logits[0])
         self.tokens_computed += len(segment.token_ids)
-        return entry
+        return self.entries[segment_id]

