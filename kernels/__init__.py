@@ -12,15 +12,19 @@ merge by log-sum-exp. The modules, each with its contract in its docstring:
     triton_fused.py      Triton kernels of the decoder layer's elementwise regions
     cpu_kernels.cpp      compiled CPU kernels: attention, packed GEMM, the whole decoder
     cpu_extension.py     builds, loads and self-checks them; ``cpu_ops.py`` calls them
-    self_check.py        the Triton attention kernels against the reference, at start-up
-    self_check_fused.py  the Triton elementwise kernels against theirs
+    self_check.py        each Triton kernel family against its reference, at start-up
 
 This package imports nothing above it; this file only re-exports.
 """
 
 from __future__ import annotations
 
-from llm_operator.kernels.attention_step import IMPLEMENTATIONS, AttentionStep, kv_cache_shapes
+from llm_operator.kernels.attention_step import (
+    IMPLEMENTATIONS,
+    AttentionStep,
+    copy_blocks,
+    kv_cache_shapes,
+)
 from llm_operator.kernels.layout import (
     AttentionOutput,
     OwnBatch,
@@ -37,6 +41,7 @@ __all__ = [
     "IMPLEMENTATIONS",
     "AttentionOutput",
     "AttentionStep",
+    "copy_blocks",
     "OwnBatch",
     "PrefixBatch",
     "device_tensor",

@@ -37,6 +37,15 @@ def kv_cache_shapes(
     return shape, shape
 
 
+def copy_blocks(implementation: str, caches: Sequence[Tensor], copies: Tensor) -> None:
+    """Copy whole KV blocks in every cache of ``implementation``'s layout (``kv_cache_shapes``):
+    ``copies`` [n, 2] int64 on the caches' device, (source, destination) block ids."""
+    dim = 1 if implementation == "cpp" else 0  # the cpp layout puts KV heads first
+    source, destination = copies[:, 0], copies[:, 1]
+    for cache in caches:
+        cache.index_copy_(dim, destination, cache.index_select(dim, source))
+
+
 class AttentionStep:
     """One step's attention, built once and called by every layer.
 
@@ -57,10 +66,12 @@ class AttentionStep:
         invariant: bool = False,
         softcap: float | None = None,
     ) -> None:
-        """invariant: the compiled CPU attention's batch-invariant mode (a row's bits do not
-        depend on the step; segments must end on block boundaries); the other families
-        ignore it. softcap: scores soft-capped as ``softcap * tanh(scores / softcap)``
-        (Gemma 2), on the torch family only."""
+        """invariant: the batch-invariant mode of the compiled CPU attention and of the
+        Triton one (``triton_attention.attend_invariant``): a row's bits do not depend on
+        the step; segments must end on block boundaries, and a sliding-window layout must
+        keep every row in every segment of its chain (``windowed(drop=False)``). The torch
+        family ignores it. softcap: scores soft-capped as ``softcap * tanh(scores /
+        softcap)`` (Gemma 2), on the torch family only."""
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(
                 f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}"
@@ -73,6 +84,7 @@ class AttentionStep:
         self.implementation = implementation
         self.own, self.prefixes, self.slot_mapping = own, list(prefixes), slot_mapping
         self.softcap = softcap
+        self.invariant = invariant and implementation != "torch"
         self.split_keys = cpu_ops.SPLIT_KEYS
         if implementation == "cpp":
             self.module = cpu_extension.loaded()
@@ -90,6 +102,8 @@ class AttentionStep:
             from llm_operator.kernels import triton_attention
 
             self.module = triton_attention
+            if invariant:  # every item's keys from a multiple of the softmax step
+                self.own, self.prefixes = triton_attention.invariant_batches(own, self.prefixes)
         else:
             self.module = torch_attention
 
@@ -113,7 +127,10 @@ class AttentionStep:
                 self.module, q, k_cache, v_cache, self.work, scale, self.split_keys
             )
         module = self.module
-        if self.implementation == "triton":  # own part, then each level merged in place
+        if self.implementation == "triton":
+            if self.invariant:  # one softmax state carried through the levels, then own
+                return module.attend_invariant(q, k_cache, v_cache, self.own, self.prefixes, scale)
+            # own part, then each level merged in place
             return module.attend(q, k_cache, v_cache, self.own, self.prefixes, scale)
         softcap = self.softcap
         parts = [module.own_attention(q, k_cache, v_cache, self.own, scale, softcap)]

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from llm_operator.kernels import layout, torch_attention
 from llm_operator.kernels.layout import OwnBatch, PrefixBatch
+from llm_operator.kernels.layout import align_batches as _aligned  # also the Triton path's
 
 __all__ = [
     "CPU_DTYPES",
@@ -135,91 +136,6 @@ def invariant_split_keys(block_size: int, prefixes: Sequence[PrefixBatch]) -> in
     tiles = INVARIANT_STEP_KEYS % block_size == 0 or block_size % INVARIANT_STEP_KEYS == 0
     aligned = all(length % block_size == 0 for p in prefixes for length in p.host_lengths)
     return -1 if tiles and aligned else 0
-
-
-def _aligned(
-    own: OwnBatch, prefixes: Sequence[PrefixBatch], step_keys: int
-) -> tuple[OwnBatch, list[PrefixBatch], list]:
-    """The step's batches with every item's keys starting at a multiple of ``step_keys``
-    (segments end on block boundaries): the keys of a segment past its last multiple are
-    left to the next item of its rows (a deeper segment, or the row's own keys), whose table
-    gets those blocks in front. A row's keys are then cut into softmax steps at the same
-    positions whatever its segments, so the batch-invariant attention can take whole steps.
-    Also returns, per prefix batch, the keys carried in front of each segment's own."""
-    import dataclasses
-
-    import numpy as np
-
-    if own.num_rows == 0:
-        return own, list(prefixes), [np.zeros(len(p.host_lengths), np.int64) for p in prefixes]
-    size = own.block_size
-    most = max(1, step_keys // size)  # blocks a row can carry (fewer than a step's keys)
-    carried = np.zeros(own.num_rows, dtype=np.int64)  # keys carried, per q row
-    carry = np.zeros((own.num_rows, most), dtype=np.int32)
-    levels, carried_in = [], []
-    for prefix in prefixes:
-        rows = np.asarray(prefix.host_rows, dtype=np.int64)
-        starts, lengths = prefix.host_row_start, prefix.host_lengths
-        tables = prefix.block_tables.cpu().numpy()
-        new_tables, new_lengths = [], []
-        carried_in.append(np.zeros(len(lengths), dtype=np.int64))
-        for s, length in enumerate(lengths):
-            readers = rows[starts[s] : starts[s + 1]]
-            if length % size:
-                raise ValueError(
-                    f"segment {s} has {length} tokens, not a multiple of the block size {size}"
-                )
-            before = int(carried[readers[0]]) if len(readers) else 0
-            carried_in[-1][s] = before
-            blocks = np.concatenate(
-                [carry[readers[0], : before // size] if len(readers) else carry[0, :0],
-                 tables[s, : length // size]]
-            )  # fmt: skip
-            total = before + length
-            done = total - total % step_keys
-            new_tables.append(blocks)
-            new_lengths.append(done)
-            left = (total - done) // size
-            carry[readers, :left] = blocks[done // size : total // size]
-            carried[readers] = total - done
-        width = max([len(t) for t in new_tables] + [1])
-        table = np.zeros((len(new_tables), width), dtype=np.int32)
-        for s, blocks in enumerate(new_tables):
-            table[s, : len(blocks)] = blocks
-        levels.append(
-            dataclasses.replace(
-                prefix,
-                block_tables=torch.from_numpy(table),
-                lengths=torch.tensor(new_lengths, dtype=torch.int32),
-                host_lengths=tuple(new_lengths),
-                max_length=max(new_lengths, default=0),
-                derived={},  # launch data of the original tables does not apply
-            )
-        )
-    starts = np.asarray(own.host_query_start, dtype=np.int64)
-    tables = own.block_tables.cpu().numpy()
-    if tables.shape[1] == 0:
-        tables = np.zeros((tables.shape[0], 1), dtype=np.int32)
-    first = np.minimum(starts[:-1], own.num_rows - 1)
-    before = np.where(starts[1:] > starts[:-1], carried[first], 0)
-    shift = before // size  # carried blocks go in front of the own ones
-    columns = np.arange(most + tables.shape[1])[None, :]
-    source = columns - shift[:, None]
-    table = np.where(
-        source >= 0,
-        np.take_along_axis(tables, np.clip(source, 0, tables.shape[1] - 1), axis=1),
-        np.take_along_axis(carry[first], np.clip(columns, 0, most - 1), axis=1),
-    ).astype(np.int32)
-    lengths = np.asarray(own.host_context_lens, dtype=np.int64) + before
-    own = dataclasses.replace(
-        own,
-        block_tables=torch.from_numpy(table),
-        context_lens=torch.from_numpy(lengths.astype(np.int32)),
-        host_context_lens=tuple(int(v) for v in lengths),
-        max_context_len=int(lengths.max(initial=0)),
-        derived={},
-    )
-    return own, levels, carried_in
 
 
 def attention_items(

@@ -41,9 +41,12 @@ from torch import Tensor
 __all__ = [
     "FLOAT_DTYPES",
     "INDEX_DTYPES",
+    "AlignedKeys",
     "AttentionOutput",
     "OwnBatch",
     "PrefixBatch",
+    "align_batches",
+    "align_step_keys",
     "check_launch",
     "check_merge_parts",
     "check_scale",
@@ -639,3 +642,158 @@ def windowed(
             )
         )
     return own, batches
+
+
+# ---------------------------------------------------------------- batch-invariant key steps
+
+
+class AlignedKeys(NamedTuple):
+    """``align_step_keys``' result: the step's own and per-level arrays, every item's keys
+    starting at a multiple of the step (``carried_in``: per level, the keys carried in front
+    of each segment's own)."""
+
+    own_tables: np.ndarray  # [B, width] int32
+    context_lens: np.ndarray  # [B] int64
+    level_tables: list[np.ndarray]  # per level [S, width] int32
+    level_lengths: list[np.ndarray]  # per level [S] int64
+    carried_in: list[np.ndarray]  # per level [S] int64
+
+
+def align_step_keys(
+    query_start: np.ndarray,
+    own_tables: np.ndarray,
+    context_lens: np.ndarray,
+    levels: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
+    *,
+    block_size: int,
+    step_keys: int,
+) -> AlignedKeys:
+    """A step's layout (host arrays) with every item's keys starting at a multiple of
+    ``step_keys``, for the batch-invariant attention (the compiled CPU kernel's and the
+    Triton one's): the keys of a segment past its last multiple are left to the next item
+    of its rows (a deeper segment, or the row's own keys), whose table gets those blocks in
+    front. A row's keys are then cut into softmax steps at the same positions whatever its
+    segments, so the kernels can take whole steps.
+
+    levels: per chain level (rows, row_start, tables, lengths) as ``prefix_batch_arrays``
+    takes them. Every segment must end on a block boundary (ValueError otherwise), and the
+    rows of one segment (and of one request) must carry the same keys into it, as they do
+    when each row reads every segment of its chain (ValueError otherwise: a sliding-window
+    layout that left rows out of segments, ``windowed(drop=True)``)."""
+    starts = np.asarray(query_start, dtype=np.int64)
+    own_tables = np.asarray(own_tables)
+    lengths = np.asarray(context_lens, dtype=np.int64)
+    num_rows = int(starts[-1]) if starts.size else 0
+    if num_rows == 0:
+        return AlignedKeys(
+            own_tables, lengths, [np.asarray(level[2]) for level in levels],
+            [np.asarray(level[3], dtype=np.int64) for level in levels],
+            [np.zeros(len(level[3]), np.int64) for level in levels],
+        )  # fmt: skip
+    size = block_size
+    most = max(1, step_keys // size)  # blocks a row can carry (fewer than a step's keys)
+    carried = np.zeros(num_rows, dtype=np.int64)  # keys carried, per q row
+    carry = np.zeros((num_rows, most), dtype=np.int32)
+    level_tables, level_lengths, carried_in = [], [], []
+    for rows, row_start, tables, segment_lengths in levels:
+        rows = np.asarray(rows, dtype=np.int64)
+        row_start = np.asarray(row_start, dtype=np.int64)
+        tables = np.asarray(tables)
+        new_tables, new_lengths = [], []
+        carried_in.append(np.zeros(len(segment_lengths), dtype=np.int64))
+        for s, length in enumerate(np.asarray(segment_lengths, dtype=np.int64).tolist()):
+            readers = rows[row_start[s] : row_start[s + 1]]
+            if length % size:
+                raise ValueError(
+                    f"segment {s} has {length} tokens, not a multiple of the block size {size}"
+                )
+            before = int(carried[readers[0]]) if len(readers) else 0
+            if len(readers) and (carried[readers] != before).any():
+                raise ValueError(
+                    f"the rows of segment {s} carry different keys into it: a row left out "
+                    "of an earlier segment of its chain (windowed(drop=True))?"
+                )
+            carried_in[-1][s] = before
+            blocks = np.concatenate(
+                [carry[readers[0], : before // size] if len(readers) else carry[0, :0],
+                 tables[s, : length // size]]
+            )  # fmt: skip
+            total = before + length
+            done = total - total % step_keys
+            new_tables.append(blocks)
+            new_lengths.append(done)
+            left = (total - done) // size
+            carry[readers, :left] = blocks[done // size : total // size]
+            carried[readers] = total - done
+        width = max([len(t) for t in new_tables] + [1])
+        table = np.zeros((len(new_tables), width), dtype=np.int32)
+        for s, blocks in enumerate(new_tables):
+            table[s, : len(blocks)] = blocks
+        level_tables.append(table)
+        level_lengths.append(np.asarray(new_lengths, dtype=np.int64))
+    if own_tables.shape[1] == 0:
+        own_tables = np.zeros((own_tables.shape[0], 1), dtype=np.int32)
+    first = np.minimum(starts[:-1], num_rows - 1)
+    has_rows = starts[1:] > starts[:-1]
+    before = np.where(has_rows, carried[first], 0)
+    request = np.repeat(np.arange(len(first)), np.diff(starts))
+    if (carried != before[request]).any():
+        raise ValueError(
+            "the rows of a request carry different keys into its own: a row left out of a "
+            "segment of its chain (windowed(drop=True))?"
+        )
+    shift = before // size  # carried blocks go in front of the own ones
+    columns = np.arange(most + own_tables.shape[1])[None, :]
+    source = columns - shift[:, None]
+    table = np.where(
+        source >= 0,
+        np.take_along_axis(own_tables, np.clip(source, 0, own_tables.shape[1] - 1), axis=1),
+        np.take_along_axis(carry[first], np.clip(columns, 0, most - 1), axis=1),
+    ).astype(np.int32)
+    return AlignedKeys(table, lengths + before, level_tables, level_lengths, carried_in)
+
+
+def align_batches(
+    own: OwnBatch, prefixes: Sequence[PrefixBatch], step_keys: int
+) -> tuple[OwnBatch, list[PrefixBatch], list[np.ndarray]]:
+    """The step's batches with every item's keys starting at a multiple of ``step_keys``
+    (``align_step_keys`` on their host fields and tables; the tables are read back from
+    the batches' device). Also returns, per prefix batch, the keys carried in front of
+    each segment's own. ``key_start`` (sliding windows) is left as is: add ``carried_in``
+    to it for the aligned items' coordinates."""
+    import dataclasses
+
+    if own.num_rows == 0:
+        return own, list(prefixes), [np.zeros(len(p.host_lengths), np.int64) for p in prefixes]
+    levels = [
+        (p.host_rows, p.host_row_start, p.block_tables.cpu().numpy(), p.host_lengths)
+        for p in prefixes
+    ]
+    aligned = align_step_keys(
+        own.host_query_start, own.block_tables.cpu().numpy(), own.host_context_lens, levels,
+        block_size=own.block_size, step_keys=step_keys,
+    )  # fmt: skip
+    batches = []
+    for prefix, table, lengths in zip(prefixes, aligned.level_tables, aligned.level_lengths):
+        device = prefix.block_tables.device
+        batches.append(
+            dataclasses.replace(
+                prefix,
+                block_tables=device_tensor(table, device),
+                lengths=device_tensor(lengths.astype(np.int32), device),
+                host_lengths=tuple(lengths.tolist()),
+                max_length=int(lengths.max(initial=0)),
+                derived={},  # launch data of the original tables does not apply
+            )
+        )
+    lengths = aligned.context_lens
+    device = own.block_tables.device
+    own = dataclasses.replace(
+        own,
+        block_tables=device_tensor(aligned.own_tables, device),
+        context_lens=device_tensor(lengths.astype(np.int32), device),
+        host_context_lens=tuple(int(v) for v in lengths),
+        max_context_len=int(lengths.max(initial=0)),
+        derived={},
+    )
+    return own, batches, aligned.carried_in

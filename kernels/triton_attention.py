@@ -11,7 +11,14 @@ Same signatures and semantics as ``torch_attention.py`` (read its docstrings and
 - ``own_attention``: the same loop per (row tile of a request, KV head), causal, the rows
   at own positions ``context_lens[b] - n_b + j``;
 - ``merge_attention_states``: a log-sum-exp merge of (out, lse) parts, folded pairwise
-  with an fp32 running state (one rounding to the parts' dtype at the end).
+  with an fp32 running state (one rounding to the parts' dtype at the end);
+- ``attend_invariant`` (``AttentionStep(invariant=True)``, ``deterministic=True``): the
+  batch-invariant mode, as the compiled CPU kernel's. Items are aligned on the host so
+  that every one starts on a multiple of the softmax step (``invariant_batches``:
+  ``layout.align_batches``); each (row tile, KV head) carries one fp32 softmax state
+  through the row's shared levels, one launch a level, then its own keys, in steps of 64
+  keys (one block where blocks do not tile 64) at positions fixed by the key positions,
+  in one tile shape per model (``invariant_config``): no key split, no log-sum-exp merge.
 
 Work lists. A batch's work items (segment or request, row tile, key range) are listed once
 per engine step from its host fields (``host_row_start``, ``host_query_start``, ...) into
@@ -60,6 +67,8 @@ from llm_operator.kernels.layout import (
 )
 
 __all__ = [
+    "attend_invariant",
+    "invariant_batches",
     "merge_attention_states",
     "own_attention",
     "prefix_attention",
@@ -456,6 +465,172 @@ def _merge_kernel(
         mask=mask,
     )
     tl.store(lse_ptr + token * stride_lt + head * stride_lh, lse, mask=pair_valid)
+
+
+@triton.jit
+def _invariant_attention_kernel(
+    q_ptr,  # [T, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    out_ptr,  # [T, num_heads, head_dim] q's dtype, written when FINAL
+    m_ptr,  # [T, num_heads] fp32 running max (log2 units), contiguous
+    l_ptr,  # [T, num_heads] fp32 running denominator, contiguous
+    acc_ptr,  # [T, num_heads, head_dim] fp32 running numerator, contiguous
+    work_ptr,  # [W, 6] int32: (table row, first, row count, -, key_end, -)
+    rows_ptr,  # [N] q row indices (INDIRECT) or unused
+    table_ptr,  # [S or B, max_blocks] block ids
+    lows_ptr,  # [N] int32 aligned with rows_ptr: each row's first visible key (WINDOWED prefix)
+    window,  # sliding window of an own batch (WINDOWED, not INDIRECT)
+    scale,  # softmax scale * log2(e)
+    block_size,
+    num_heads,
+    head_dim,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_table,
+    GROUP: tl.constexpr,  # query heads per KV head
+    INDIRECT: tl.constexpr,  # rows come through rows_ptr (prefix) or are contiguous (own)
+    CAUSAL: tl.constexpr,
+    LOAD_STATE: tl.constexpr,  # start from the rows' carried state (else m -inf, l 0, acc 0)
+    FINAL: tl.constexpr,  # normalize and write out (else store the state for the next level)
+    WINDOWED: tl.constexpr,
+    MMA_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    STEP_KEYS: tl.constexpr,  # keys per softmax step (<= BLOCK_N)
+    ROW_PRODUCTS: tl.constexpr,  # the interpreter: products as broadcast sums, not tl.dot
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One (work item, KV head) of the batch-invariant attention: the tile's rows carry
+    their softmax state (m, l, acc) through the item's keys [0, key_end) in steps of
+    STEP_KEYS keys from key 0. Items start on a multiple of the step in every row's key
+    positions (``layout.align_step_keys``), so a step holds the same keys at the same
+    columns whatever the layout; a key a row does not see scores -inf (weight exactly 0,
+    and a step it sees nothing of leaves its state as it was), and every row is computed
+    on its own in fixed tile shapes: a row's bits depend on its keys alone. No key split,
+    no log-sum-exp merge: levels run one launch after another on the same state.
+
+    ROW_PRODUCTS (the interpreter, CPU tensors): the two products are broadcast sums.
+    The interpreter's tl.dot is numpy's BLAS GEMM, which rounds the same row differently
+    at different rows of a tile; a GPU's tl.dot (tensor-core MMA, or in-order FMAs for
+    fp32) computes every row of a tile alike, so it keeps tl.dot."""
+    item = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    table = tl.load(work_ptr + item * 6).to(tl.int64)
+    first = tl.load(work_ptr + item * 6 + 1).to(tl.int64)
+    count = tl.load(work_ptr + item * 6 + 2)
+    key_end = tl.load(work_ptr + item * 6 + 4)
+
+    m = tl.arange(0, BLOCK_M)
+    r = m // GROUP
+    g = m % GROUP
+    row_valid = r < count  # [M]
+    if INDIRECT:
+        q_row = tl.load(rows_ptr + first + r, mask=row_valid, other=0).to(tl.int64)
+    else:
+        q_row = first + r
+    head = (kv_head * GROUP + g).to(tl.int64)  # [M]
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < head_dim
+    q_mask = row_valid[:, None] & dim_valid[None, :]
+    q_offsets = q_row[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd
+    q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32).to(MMA_DTYPE)
+    state = q_row * num_heads + head  # [M]
+    acc_offsets = state[:, None] * head_dim + dims[None, :]
+    if LOAD_STATE:
+        m_i = tl.load(m_ptr + state, mask=row_valid, other=float("-inf"))
+        l_i = tl.load(l_ptr + state, mask=row_valid, other=0.0)
+        acc = tl.load(acc_ptr + acc_offsets, mask=q_mask, other=0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    position = key_end - count + r  # [M] causal position of each packed row
+    kv_head64 = kv_head.to(tl.int64)
+    k_base = k_cache_ptr + kv_head64 * stride_kh
+    v_base = v_cache_ptr + kv_head64 * stride_vh
+    table_base = table_ptr + table * stride_table
+    columns = tl.arange(0, BLOCK_N)
+    loop_begin = key_end * 0
+    if WINDOWED:
+        if INDIRECT:
+            low = tl.load(lows_ptr + first + r, mask=row_valid, other=0)
+        else:
+            low = position - window + 1
+        low = tl.where(row_valid, low, key_end)  # [M]
+        # skip the steps before every row's window: the loop still starts on a step
+        loop_begin = tl.maximum(tl.min(low, axis=0), 0)
+        loop_begin = loop_begin - loop_begin % STEP_KEYS
+    for start in range(loop_begin, key_end, STEP_KEYS):
+        keys = start + columns  # [N] positions in the item
+        key_valid = (columns < STEP_KEYS) & (keys < key_end)
+        block = tl.load(table_base + keys // block_size, mask=key_valid, other=0).to(tl.int64)
+        offset = (keys % block_size).to(tl.int64)
+        kv_mask = key_valid[:, None] & dim_valid[None, :]
+        k = tl.load(
+            k_base
+            + block[:, None] * stride_kb
+            + offset[:, None] * stride_ks
+            + dims[None, :] * stride_kd,
+            mask=kv_mask,
+            other=0.0,
+        ).to(tl.float32)  # [N, D]
+        v = tl.load(
+            v_base
+            + block[:, None] * stride_vb
+            + offset[:, None] * stride_vs
+            + dims[None, :] * stride_vd,
+            mask=kv_mask,
+            other=0.0,
+        ).to(tl.float32)  # [N, D]
+        if ROW_PRODUCTS:
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [M, N]
+        else:
+            scores = tl.dot(q, tl.trans(k.to(MMA_DTYPE)), input_precision=PRECISION) * scale
+        if CAUSAL:
+            visible = key_valid[None, :] & (keys[None, :] <= position[:, None])
+        else:
+            visible = key_valid[None, :] & row_valid[:, None]
+        if WINDOWED:
+            visible &= keys[None, :] >= low[:, None]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - shift)
+        p = tl.exp2(scores - shift[:, None])  # [M, N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        if ROW_PRODUCTS:
+            acc += tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        else:
+            acc += tl.dot(p.to(MMA_DTYPE), v.to(MMA_DTYPE), input_precision=PRECISION)
+        m_i = m_new
+
+    if FINAL:
+        seen = l_i > 0.0
+        out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+        o_offsets = (
+            q_row[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od
+        )
+        tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        tl.store(m_ptr + state, m_i, mask=row_valid)
+        tl.store(l_ptr + state, l_i, mask=row_valid)
+        tl.store(acc_ptr + acc_offsets, acc, mask=q_mask)
 
 
 # ---------------------------------------------------------------- launch configuration
@@ -904,6 +1079,225 @@ def attend(
                               batch.block_tables, causal=False, state=state, merge=True,
                               lows=batch.key_start)  # fmt: skip
     return state.out if state.out.dtype == q.dtype else state.out.to(q.dtype)
+
+
+# ---------------------------------------------------------------- batch-invariant attention
+
+# Keys per softmax step of the batch-invariant attention where the blocks tile such steps
+# (the compiled CPU kernel's ``cpu_ops.INVARIANT_STEP_KEYS``); else one block a step.
+INVARIANT_STEP_KEYS = 64
+_ALIGNED = ("triton", "invariant", "aligned")  # batch.derived: its keys are step-aligned
+
+
+def invariant_step_keys(block_size: int) -> int:
+    """Keys per softmax step of the batch-invariant attention for this block size: 64
+    where blocks tile 64-key steps (or steps tile blocks), else one block."""
+    tiles = INVARIANT_STEP_KEYS % block_size == 0 or block_size % INVARIANT_STEP_KEYS == 0
+    return INVARIANT_STEP_KEYS if tiles else block_size
+
+
+def invariant_config(
+    dtype: torch.dtype, head_dim: int, group: int, block_size: int
+) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages, STEP_KEYS) of every launch of
+    the batch-invariant attention: a function of the model and cache only, never of the
+    step's rows (a row's bits must not depend on its tile's shape: another BLOCK_M may
+    take other MMA instructions and reduction trees). BLOCK_M: fp16/bf16 64 packed rows
+    (32 past head_dim 128), fp32 32 (16 past head_dim 64), at least a group; BLOCK_N: the
+    step. Not timed on a GPU: decode rows fill few of a tile's 64 packed rows."""
+    step = invariant_step_keys(block_size)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if dtype == torch.float32:
+        block_m, num_warps = (32 if block_d <= 64 else 16), 8
+    else:
+        block_m, num_warps = (64, 4) if block_d <= 128 else (32, 8)
+    block_m = max(block_m, triton.next_power_of_2(group))
+    return block_m, max(16, triton.next_power_of_2(step)), block_d, num_warps, 2, step
+
+
+def invariant_batches(
+    own: OwnBatch, prefixes: Sequence[PrefixBatch]
+) -> tuple[OwnBatch, list[PrefixBatch]]:
+    """A step's batches prepared for ``attend_invariant``: every item's keys start at a
+    multiple of the step (``layout.align_batches``: the tables are read back to the host
+    once), sliding-window ``key_start`` moved to the aligned items' coordinates. Batches
+    already prepared (``preset_invariant_plan``) come back as they are. ValueError for a
+    segment that does not end on a block boundary, or rows left out of a segment of
+    their chain (``windowed(drop=True)``)."""
+    if own.derived.get(_ALIGNED):
+        return own, list(prefixes)
+    import dataclasses
+
+    from llm_operator.kernels.layout import align_batches, device_tensor
+
+    own, aligned, carried_in = align_batches(own, prefixes, invariant_step_keys(own.block_size))
+    batches = []
+    for batch, carried in zip(aligned, carried_in):
+        if batch.host_key_start is not None:
+            first = np.asarray(batch.host_key_start, dtype=np.int64)
+            first = first + np.repeat(carried, np.diff(batch.host_row_start))
+            first = np.clip(first, -(2**30), 2**30)
+            batch = dataclasses.replace(
+                batch,
+                key_start=device_tensor(first.astype(np.int32), batch.rows.device),
+                host_key_start=tuple(first.tolist()),
+            )
+        batch.derived[_ALIGNED] = True
+        batches.append(batch)
+    own.derived[_ALIGNED] = True
+    return own, batches
+
+
+def _invariant_key(q: Tensor, k_cache: Tensor, config: tuple) -> tuple:
+    return ("triton", "invariant", q.shape[1], k_cache.shape[2], q.shape[2], config)
+
+
+def preset_invariant_plan(
+    batch: OwnBatch | PrefixBatch,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    config: tuple,
+    work: Tensor,
+) -> None:
+    """``preset_plan`` for ``attend_invariant``: ``batch`` (a CUDA graph's static batch)
+    holds step-aligned tables and lengths (``layout.align_step_keys``) and ``work`` [W, 6]
+    the items ``own_work`` / ``prefix_work`` (no key splits) list for them; ``config``
+    from ``invariant_config``."""
+    key = ("triton", "invariant", num_heads, num_kv_heads, head_dim, config)
+    batch.derived[key] = _Plan(config, work, 1)
+    batch.derived[_ALIGNED] = True
+
+
+def _invariant_plan(batch, q: Tensor, k_cache: Tensor, group: int, config: tuple) -> _Plan:
+    """The batch's work items for ``attend_invariant``, listed once (host fields only)."""
+    key = _invariant_key(q, k_cache, config)
+    if key not in batch.derived:
+        rows_per_tile = config[0] // group
+        if isinstance(batch, OwnBatch):
+            items = own_work(batch.host_query_start, batch.host_context_lens, rows_per_tile)
+            device = batch.query_start.device
+        else:  # no key splits (no target programs)
+            items, _ = prefix_work(
+                batch.host_row_start, batch.host_lengths, rows_per_tile, config[1], 0,
+                k_cache.shape[2],
+            )  # fmt: skip
+            device = batch.rows.device
+        batch.derived[key] = _Plan(config, _work_tensor(items, device), 1)
+    return batch.derived[key]
+
+
+def _launch_invariant(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    scale: float,
+    group: int,
+    plan: _Plan,
+    state: tuple[Tensor, Tensor, Tensor, Tensor],
+    batch: OwnBatch | PrefixBatch,
+    load: bool,
+) -> None:
+    """One level's launch (own batch: causal, FINAL) on ``state`` (out, m, l, acc)."""
+    block_m, block_n, block_d, num_warps, num_stages, step = plan.config
+    out, m_state, l_state, acc_state = state
+    own = isinstance(batch, OwnBatch)
+    rows = batch.block_tables if own else batch.rows
+    lows = None if own else batch.key_start
+    mma, precision = _mma(q)
+    _invariant_attention_kernel[(plan.work.shape[0], k_cache.shape[2])](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        m_state,
+        l_state,
+        acc_state,
+        plan.work,
+        rows,
+        batch.block_tables,
+        rows if lows is None else lows,
+        batch.window if own else 0,
+        scale * _LOG2E,
+        k_cache.shape[1],
+        q.shape[1],
+        q.shape[2],
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *out.stride(),
+        batch.block_tables.stride(0),
+        GROUP=group,
+        INDIRECT=not own,
+        CAUSAL=own,
+        LOAD_STATE=load,
+        FINAL=own,
+        WINDOWED=bool(batch.window) if own else lows is not None,
+        MMA_DTYPE=mma,
+        PRECISION=precision,
+        STEP_KEYS=step,
+        ROW_PRODUCTS=q.device.type == "cpu",
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+def attend_invariant(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    own: OwnBatch,
+    prefixes: Sequence[PrefixBatch],
+    scale: float,
+) -> Tensor:
+    """``attend``'s batch-invariant mode: a row's output bits are a function of its q and
+    keys alone, whatever else shares the step, however its keys are cut into shared
+    segments and prefill chunks, wherever it sits (as the compiled CPU kernel's invariant
+    mode). The batches come from ``invariant_batches`` (or ``preset_invariant_plan``).
+
+    Each (row tile, KV head) carries one fp32 softmax state (running max, denominator and
+    numerator) through the row's shared levels in order, one launch a level, then its own
+    keys, whose launch normalizes and writes out: softmax steps of ``invariant_step_keys``
+    keys at positions that depend on the key positions only, tile shapes fixed per model
+    (``invariant_config``), no key split and no log-sum-exp merge. Rows no own work item
+    covers (a CUDA graph's padding rows) get garbage. Returns out [T, num_heads, head_dim]
+    in q's dtype."""
+    group = check_launch(q, k_cache, v_cache, own, OwnBatch)
+    scale = check_scale(scale)
+    _check_device(q)
+    _check_head_dim(q.shape[2])
+    _check_batch_index("block_tables", own.block_tables, 2)
+    if not own.derived.get(_ALIGNED):
+        raise ValueError("attend_invariant takes batches from invariant_batches")
+    num_rows, num_heads, head_dim = q.shape
+    config = invariant_config(q.dtype, head_dim, group, own.block_size)
+    out = torch.empty_like(q)
+    if prefixes:  # the carried state; rows no level reaches start it empty
+        m_state = torch.full((num_rows, num_heads), -math.inf, device=q.device)
+        l_state = torch.zeros((num_rows, num_heads), device=q.device)
+        acc_state = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    else:  # the own launch starts the state itself and keeps it in registers
+        m_state = l_state = acc_state = out
+    state = (out, m_state, l_state, acc_state)
+    if num_rows == 0 or num_heads == 0 or head_dim == 0:
+        return out
+    for batch in prefixes:
+        check_launch(q, k_cache, v_cache, batch, PrefixBatch)
+        _check_batch_index("block_tables", batch.block_tables, 2)
+        _check_batch_index("rows", batch.rows, 1)
+        if not batch.derived.get(_ALIGNED):
+            raise ValueError("attend_invariant takes batches from invariant_batches")
+        plan = _invariant_plan(batch, q, k_cache, group, config)
+        if plan.work.shape[0]:
+            _launch_invariant(q, k_cache, v_cache, scale, group, plan, state, batch, True)
+    plan = _invariant_plan(own, q, k_cache, group, config)
+    if plan.work.shape[0]:
+        _launch_invariant(q, k_cache, v_cache, scale, group, plan, state, own, bool(prefixes))
+    return out
 
 
 def _merge_pair(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor] | None, out_dtype) -> tuple:

@@ -181,15 +181,8 @@ class LLMOperator:
             min_shared_tokens=self.config.min_shared_tokens,
             decode_first=self.config.decode_first,
             share_prefixes=self.config.share_prefixes,
-            segment_align=self.segment_align(),
         )
         return plan, valid
-
-    def segment_align(self) -> int:
-        """``engine.factory.segment_align`` for this operator's backend."""
-        from llm_operator.engine.factory import segment_align
-
-        return segment_align(self.config, self.backend_name)
 
 
 option_table.keyword_signature(LLMOperator.__init__, ["engine"])

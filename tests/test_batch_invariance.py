@@ -385,9 +385,7 @@ def test_deterministic_resolves_per_backend_and_machine(monkeypatch):
     monkeypatch.setattr(factory, "_has_amx", lambda: False)
     auto = EngineConfig(device="cpu")
     assert factory.invariant_kernels(auto, "native") is True
-    assert factory.segment_align(EngineConfig(device="cpu", kv_block_size=32), "native") == 32
     assert factory.invariant_kernels(auto, "hf") is False  # hf: never batch-invariant
-    assert factory.segment_align(auto, "hf") == 1
     off = EngineConfig(device="cpu", deterministic=False)
     assert factory.invariant_kernels(off, "native") is False
     monkeypatch.setattr(factory, "_has_amx", lambda: True)  # AMX: not measured, opt in
@@ -414,3 +412,48 @@ def test_deterministic_rows_survive_preemption_bit_for_bit(tiny_llama_dir):
     squeezed = [(tuple(r.token_ids), r.logprob) for r in op.generate(prompts, sampling)]
     assert op.backend().last_profile.preemptions > 0
     assert squeezed == whole
+
+
+# ---------------------------------------------------------------- tail copies
+
+
+def _columns_prompts() -> list[str]:
+    """Short rows under a shared instruction, three levels deep (instruction, genre, year):
+    most rows have a handful of tokens of their own, so a segment cut back to a block
+    boundary would cost a large share of their work."""
+    instruction = "Rate the movie for a family audience from 1 to 5. Answer with one digit."
+    return [
+        f"{instruction}\nGenre: {genre}\nYear: {year}\nTitle: {title}"
+        for genre in ("comedy", "drama documentary")
+        for year in (1994, 2011)
+        for title in ("Heat", "Up", "Big Fish", "Arrival", "Ran")
+    ]
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_tail_copies_compute_no_shared_token_twice_and_keep_every_bit(tiny_llama_dir, block_size):
+    """The batch-invariant mode plans as the default mode does (segments end where rows
+    diverge, not on a block boundary) and copies each segment's partial last block into its
+    readers' first block: it computes exactly the default mode's prefill tokens, and every
+    row's tokens and log-probability are bit-identical to the row run alone (no sharing)."""
+    prompts = _columns_prompts() + _prompts(12)
+    options = {"kv_block_size": block_size}
+    sampling = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, ignore_eos=True)
+
+    def run(deterministic: bool, share: bool = True):
+        op = LLMOperator(
+            tiny_llama_dir, backend="native", deterministic=deterministic,
+            share_prefixes=share, **options,
+        )  # fmt: skip
+        results = op.generate(prompts, sampling)
+        assert all(r.error is None for r in results), [r.error for r in results]
+        answers = [(tuple(r.token_ids), r.logprob) for r in results]
+        return answers, op.last_stats.prefill_tokens_computed, op.backend().last_profile
+
+    shared, prefill, profile = run(True)
+    alone, alone_prefill, _ = run(True, share=False)
+    _, default_prefill, default_profile = run(False)
+    assert profile.tail_copies > 0 and profile.copied_tokens > 0
+    assert default_profile.tail_copies == 0
+    assert prefill == default_prefill < alone_prefill
+    assert shared == alone

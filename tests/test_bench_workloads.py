@@ -97,7 +97,8 @@ def test_tiny_fits_the_tiny_model(tokenizer, name):
     workload = make_workload(name, tokenizer, size="tiny")
     ids = token_ids(tokenizer, workload.prompts)
     assert 6 <= len(ids) <= 12
-    budget = {"long-answers": (16, 24), "classify": (2, 12)}.get(name, (2, 6))
+    budget = {"long-answers": (16, 24), "classify": (2, 12), "short-rows": (1, 2)}
+    budget = budget.get(name, (2, 6))
     assert in_range(workload.max_tokens, budget)
     assert max(len(row) + m for row, m in zip(ids, workload.max_tokens)) <= 190  # context 256
     assert all(isinstance(p, str) == (name == "no-sharing") for p in workload.prompts)
@@ -111,7 +112,7 @@ def test_every_row_is_a_distinct_prompt(tokenizer, name, size):
 
 
 def test_bad_arguments_raise_value_errors_listing_the_choices(tokenizer):
-    with pytest.raises(ValueError, match="etl-fewshot, doc-qa, table-rows, no-sharing"):
+    with pytest.raises(ValueError, match="etl-fewshot, doc-qa, table-rows, short-rows, no-sharing"):
         make_workload("etl", tokenizer)
     with pytest.raises(ValueError, match="tiny, quick, default"):
         make_workload("doc-qa", tokenizer, size="huge")
@@ -126,6 +127,7 @@ def test_bad_arguments_raise_value_errors_listing_the_choices(tokenizer):
         ("doc-qa", {"document_tokens": (10, 20, 30)}),
         ("no-sharing", {"prompt_tokens": 0}),
         ("table-rows", {"categories": 99}),
+        ("short-rows", {"genres": 99}),
     ]
     for name, override in bad:
         with pytest.raises(ValueError, match=next(iter(override))):

@@ -51,7 +51,7 @@ class FakeRunner:
         self.lifetime_chain: dict[int, dict[int, list[int]]] = {}
         self.pinned: dict[int, list[int]] = {}
         self.seen_rejected = 0
-        self.prefill_tokens = self.decode_tokens = 0
+        self.prefill_tokens = self.decode_tokens = self.copies = 0
         self.decode_only = 0  # iterations whose decodes took the whole budget while prefill waited
 
     def run(self, max_iterations: int = 20_000) -> FakeRunner:
@@ -59,6 +59,11 @@ class FakeRunner:
         while not scheduler.done:
             assert len(self.log) < max_iterations, "no progress: livelock"
             chunks = scheduler.schedule()
+            for source, destination in scheduler.copies:  # tail copies, before the step
+                self.kv[destination] = list(self.kv[source])
+            heads = [c.seq.blocks[0] for c in chunks if c.seq.head and c.start == c.seq.head]
+            assert sorted(d for _, d in scheduler.copies) == sorted(heads), "a head not copied"
+            self.copies += len(scheduler.copies)
             self.note_rejections()
             if not chunks:
                 assert scheduler.done, "schedule() returned nothing while work remains"
@@ -96,7 +101,8 @@ class FakeRunner:
             ]
         context += [self.position(seq.blocks, p) for p in range(chunk.start)]
         chain_tokens = [t for s in seq.chain for t in self.plan.segments[s].token_ids]
-        assert context == (chain_tokens + seq.tokens)[: seq.prefix_length + chunk.start]
+        whole = chain_tokens + seq.tokens[seq.head :]  # a head repeats the chain's last tokens
+        assert context == whole[: seq.prefix_length + chunk.start]
 
     def write(self, chunk) -> None:
         seq, size = chunk.seq, self.blocks.block_size
@@ -160,20 +166,26 @@ class FakeRunner:
                 segment_seq = scheduler.segment_sequence(segment_id)
                 assert segment_seq is not None and segment_seq.status == READY, "chunk before READY"
             chain_tokens = [t for s in seq.chain for t in plan.segments[s].token_ids]
-            assert seq.prefix_length == len(chain_tokens)
+            assert seq.prefix_length + seq.head == len(chain_tokens)
+            if scheduler.copy_tails:  # every sequence starts on a block boundary
+                assert seq.prefix_length % self.blocks.block_size == 0
+                assert seq.head < self.blocks.block_size
+            else:
+                assert seq.head == 0
             if seq.kind == "request":
                 assert seq.chain == self.chains[seq.ref]
                 assert len(seq.blocks) == self.blocks.blocks_for(end), "blocks are allocated lazily"
-                prompt = chain_tokens + seq.tokens[: seq.prompt_length]
+                prompt = chain_tokens + seq.tokens[seq.head : seq.prompt_length]
                 assert prompt == list(plan.requests[seq.ref].token_ids)
                 generated = [fake_token(seq.ref, i) for i in range(seq.num_generated)]
                 assert seq.tokens[seq.prompt_length :] == generated
             else:
                 segment = plan.segments[seq.ref]
-                assert seq.tokens == list(segment.token_ids) and seq.prefix_length == segment.start
+                assert seq.tokens[seq.head :] == list(segment.token_ids)
+                assert seq.prefix_length + seq.head == segment.start
                 assert len(seq.blocks) == self.blocks.blocks_for(len(seq.tokens))
             chain_blocks = {s: scheduler.segment_blocks(s) for s in seq.chain}
-            if chunk.start == 0:  # a new admission (first or after preemption)
+            if chunk.start == seq.head:  # a new admission (first or after preemption)
                 self.lifetime_chain[seq.seq_id] = chain_blocks
             assert self.lifetime_chain[seq.seq_id] == chain_blocks, "a prefix moved under a reader"
 
@@ -188,10 +200,10 @@ class FakeRunner:
                 self.pinned.pop(segment_id, None)
             if segment_seq is not None and segment_seq.status == READY:
                 live.append(segment_seq)
-                stored = [
-                    self.position(segment_seq.blocks, p) for p in range(len(segment.token_ids))
-                ]
-                assert stored == list(segment.token_ids), "a pinned block was overwritten"
+                tokens = segment_seq.tokens
+                stored = [self.position(segment_seq.blocks, p) for p in range(len(tokens))]
+                assert stored == tokens, "a pinned block was overwritten"
+                assert tokens[segment_seq.head :] == list(segment.token_ids)
                 if segment_id in self.pinned and self.pinned[segment_id] != segment_seq.blocks:
                     assert self.allow_evictions, f"segment {segment_id} re-pinned elsewhere"
                 self.pinned[segment_id] = list(segment_seq.blocks)
@@ -215,6 +227,7 @@ class FakeRunner:
         assert self.pending == [0] * len(self.plan.segments)
         assert scheduler.stats.prefill_tokens == self.prefill_tokens
         assert scheduler.stats.decode_tokens == self.decode_tokens
+        assert scheduler.stats.tail_copies == self.copies
         assert scheduler.stats.iterations == len(self.log)
         assert scheduler.stats.max_running <= scheduler.max_running
         if not self.allow_evictions:
@@ -484,6 +497,7 @@ def workloads(draw, tight=False):
             "max_running": draw(st.integers(1 + 3 * tight, 8)),
             "decode_reserve": 0.0 if tight else draw(st.sampled_from([0.0, 0.5, 1.0])),
             "share_prefixes": draw(st.booleans()),
+            "copy_tails": draw(st.booleans()),
         },
     )
 
@@ -493,11 +507,21 @@ def check_random_workload(workload) -> FakeRunner:
     plan = build_plan(workload.prompts, workload.max_tokens)
     blocks_for = BlockManager(1, workload.block_size).blocks_for
     share = workload.options["share_prefixes"]
+    # with tail copies, a sequence also holds the tokens of its chain's last partial block
+    size = workload.block_size if workload.options["copy_tails"] else None
+
+    def head(start: int) -> int:
+        return start % size if size and start else 0
+
     needs = {}
     for request in plan.requests:
         chain = effective_chain(request, share)
-        chain_blocks = sum(blocks_for(len(plan.segments[s].token_ids)) for s in chain)
-        own = len(request.token_ids) - (plan.segments[chain[-1]].end if chain else 0)
+        chain_blocks = sum(
+            blocks_for(head(plan.segments[s].start) + len(plan.segments[s].token_ids))
+            for s in chain
+        )
+        prefix = plan.segments[chain[-1]].end if chain else 0
+        own = len(request.token_ids) - prefix + head(prefix)
         stop = workload.stop[request.rows[0]]
         needs[request.request_id] = (
             chain_blocks + blocks_for(own + 1),
@@ -523,7 +547,9 @@ def check_random_workload(workload) -> FakeRunner:
     if stats.preemptions == 0 and stats.segment_evictions == 0:
         assert stats.prefill_tokens == expected_prefill(plan, share) - sum(
             len(plan.requests[rid].token_ids) for rid in rejected
-        )
+        )  # tail copies compute no token twice
+    if not (size and share):
+        assert stats.tail_copies == 0
     return runner
 
 
@@ -537,3 +563,16 @@ def test_random_workloads_keep_every_invariant(workload):
 @given(workloads(tight=True))
 def test_random_tight_pools_preempt_and_still_complete(workload):
     check_random_workload(workload)
+
+
+def test_tail_copies_start_every_sequence_on_a_block_boundary():
+    """A 6-token system prompt in blocks of 4: with copy_tails each reader takes the
+    segment's partial block (2 tokens) as its head, copied rather than computed, so
+    prefill is the same as without (the fake runner checks every context it reads)."""
+    prompts = [[1, 2, 3, 4, 5, 6, 10 + i, 20 + i] for i in range(3)]
+    plain = run_workload(prompts, 2, num_blocks=32, block_size=4)
+    copied = run_workload(prompts, 2, num_blocks=32, block_size=4, copy_tails=True)
+    stats = copied.scheduler.stats
+    assert (stats.tail_copies, stats.copied_tokens) == (3, 6)
+    assert stats.prefill_tokens == plain.scheduler.stats.prefill_tokens == 6 + 3 * 2
+    assert copied.outputs == plain.outputs

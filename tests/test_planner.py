@@ -32,10 +32,8 @@ def check_plan(
     merge_keys=None,
     min_shared_tokens=4,
     share_prefixes=True,
-    align=1,
 ) -> None:
-    """Assert every structural contract of a Plan against its inputs (``align``: the
-    plan's segment_align, which may leave up to align - 1 more shared tokens unshared)."""
+    """Assert every structural contract of a Plan against its inputs."""
     rows = len(prompts)
     per_row_max = [max_tokens] * rows if isinstance(max_tokens, int) else list(max_tokens)
     requests, segments, groups = plan.requests, plan.segments, plan.groups
@@ -98,10 +96,10 @@ def check_plan(
     if share_prefixes:
         for first, second in itertools.combinations(requests, 2):
             common = _common_prefix(first.token_ids, second.token_ids)
-            if common >= min_shared_tokens + align - 1:
+            if common >= min_shared_tokens:
                 shared = [a for a, b in zip(first.chain, second.chain) if a == b]
                 assert shared
-                assert segments[shared[-1]].end > common - min_shared_tokens - (align - 1)
+                assert segments[shared[-1]].end > common - min_shared_tokens
 
     # Statistics.
     stats = plan.stats
@@ -119,7 +117,7 @@ def check_plan(
     assert stats.single_level_prefill_tokens == single
     assert stats.prompt_tokens >= stats.single_level_prefill_tokens >= stats.prefill_tokens
     assert stats.prefill_tokens >= stats.unique_tokens
-    if share_prefixes and min_shared_tokens == 1 and align == 1:
+    if share_prefixes and min_shared_tokens == 1:
         assert stats.prefill_tokens == stats.unique_tokens
     if not share_prefixes:
         assert stats.prefill_tokens == sum(len(r.token_ids) for r in requests)
@@ -487,32 +485,3 @@ def test_input_order_after_heavy_merging():
     plan = build_plan(prompts, 4, merge_keys=keys, decode_first=False)
     check_plan(plan, prompts, 4, keys)
     assert [r.rows[0] for r in plan.requests] == [0, 6, 7, 8]
-
-
-@settings(max_examples=150, deadline=None)
-@given(batch=batches(), min_shared_tokens=st.integers(1, 4), align=st.integers(1, 5))
-def test_segment_align_puts_every_segment_boundary_on_a_multiple(batch, min_shared_tokens, align):
-    """segment_align (the batch-invariant mode's KV block size): each segment starts and ends
-    at a multiple of it, and the plan keeps every invariant (check_plan, with sharing maximal up
-    to min_shared_tokens + align - 1). No order against the unaligned plan is claimed: the
-    planner's tree is greedy, and cutting at blocks can end in a deeper tree that shares more
-    (five prompts of 0s with lengths 1, 1, 4, 6, 6, min_shared_tokens=3, align=3: 9 prefill
-    tokens aligned, 10 unaligned)."""
-    prompts, max_tokens, merge_keys = batch
-    plan = build_plan(
-        prompts, max_tokens, merge_keys=merge_keys, min_shared_tokens=min_shared_tokens,
-        segment_align=align,
-    )  # fmt: skip
-    check_plan(plan, prompts, max_tokens, merge_keys, min_shared_tokens, True, align)
-    for segment in plan.segments:
-        assert segment.start % align == 0 and len(segment.token_ids) % align == 0
-
-
-def test_segment_align_cuts_a_shared_prefix_back_to_a_block():
-    shared = list(range(100, 121))  # 21 shared tokens
-    prompts = [shared + [1, 2], shared + [3, 4], shared + [5]]
-    plan = build_plan(prompts, 4, segment_align=8)
-    assert [s.token_ids for s in plan.segments] == [tuple(shared[:16])]
-    assert build_plan(prompts, 4, segment_align=32).segments == ()
-    with pytest.raises(ValueError, match="segment_align"):
-        build_plan(prompts, 4, segment_align=0)

@@ -32,14 +32,16 @@ def invariant_kernels(config: EngineConfig, backend_name: str) -> bool:
     """Whether a run takes the batch-invariant kernels: ``deterministic`` resolved for the
     backend that runs. None (the default): on for the native engine on a CPU without AMX,
     where they measured as fast as the fastest kernels per shape; off on CPUs with AMX
-    (whose oneDNN bf16 GEMMs the packed kernel does not match; not measured) and on GPUs.
-    True with another backend: ValueError."""
+    (whose oneDNN bf16 GEMMs the packed kernel does not match; not measured) and on GPUs
+    (opt in: the Triton attention's invariant mode, not measured). True: the compiled CPU
+    kernels (attention and linears), or on the Triton kernels their invariant attention
+    (``native_paths`` says what it covers there); with another backend: ValueError."""
     from llm_operator.config import NOT_INVARIANT
 
     if config.deterministic is False:
         return False
     if config.deterministic is None and config.kernels not in ("auto", "cpp"):
-        return False  # the torch and Triton kernels are not batch-invariant
+        return False  # torch has no invariant mode; Triton's is opt-in (deterministic=True)
     if backend_name != "native":
         if config.deterministic:
             raise ValueError(NOT_INVARIANT.format(backend=backend_name))
@@ -49,12 +51,6 @@ def invariant_kernels(config: EngineConfig, backend_name: str) -> bool:
     from llm_operator.models import resolve_device
 
     return resolve_device(config.device).type == "cpu" and not _has_amx()
-
-
-def segment_align(config: EngineConfig, backend_name: str) -> int:
-    """Tokens every shared segment of a plan ends on a multiple of: the KV block size where
-    the batch-invariant kernels run (they need segments on block boundaries), else 1."""
-    return config.kv_block_size if invariant_kernels(config, backend_name) else 1
 
 
 def _has_amx() -> bool:
@@ -175,13 +171,29 @@ def native_paths(config: EngineConfig, model, device: torch.device, dtype: torch
             fallbacks.append(f"Triton elementwise kernels failed their self-check: {reason}")
     invariant = invariant_kernels(config, "native")
     gemm = "packed" if attention == "cpp" else "aten"
-    if invariant and attention != "cpp":
+    if invariant and config.deterministic and attention == "triton":
+        # asked for: the Triton attention's invariant mode; say what it leaves out
+        linears = "the linear layers (torch's F.linear: cuBLAS picks its kernels by the rows)"
+        if elementwise == "eager":
+            linears += " and the eager elementwise ops"
+        if windowed:  # the step builder leaves rows out of segments their window misses
+            invariant = False
+            covered = "the Triton attention has no batch-invariant mode for sliding windows yet"
+        else:
+            covered = "the Triton attention runs batch-invariant"
+        warnings.warn(
+            f"llm_operator: deterministic=True on {device}: {covered}, and {linears} are not "
+            "batch-invariant: a row's tokens and log-probabilities may still depend on its batch",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    elif invariant and attention != "cpp":
         invariant = False
         if config.deterministic:  # asked for: say where it cannot hold (the run goes on)
             warnings.warn(
                 f"llm_operator: deterministic=True makes outputs batch-invariant with the "
-                f"compiled CPU kernels only, but {device} runs the {attention!r} attention "
-                "kernels: a row's tokens may still depend on its batch",
+                f"compiled CPU kernels and the Triton attention only, but {device} runs the "
+                f"{attention!r} attention kernels: a row's tokens may still depend on its batch",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -255,11 +267,11 @@ def _triton_failure(device, dtype, num_heads, num_kv_heads, head_dim, windowed) 
 def _triton_fused_failure(device, dtype, model_config) -> str | None:
     """The Triton elementwise kernels' self-check against the eager regions, once per
     process and model shape (None: passed); a failure warns once."""
-    from llm_operator.kernels import self_check_fused
+    from llm_operator.kernels import self_check
     from llm_operator.models.fused import EAGER_OPS
 
     c = model_config
-    reason = self_check_fused.check_triton_fused(
+    reason = self_check.check_triton_fused(
         device,
         dtype,
         EAGER_OPS,

@@ -21,14 +21,15 @@ import platform
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from llm_operator.estimate.cost import FEATURES, CostModel
+from llm_operator.estimate.cost import CostModel, chunk_features, iteration_total
 from llm_operator.estimate.replay import ScheduleSettings, replay
 
-CALIBRATION_VERSION = 7
+CALIBRATION_VERSION = 8
+"""Raise when the features, the jobs or the fit change (cached calibrations then rerun)."""
 JOB_FEATURES = (
     "iterations",
     "tokens",
@@ -38,7 +39,6 @@ JOB_FEATURES = (
     "decode_shared_keys",
 )
 """The features fitted to whole jobs' seconds (no per-chunk cost: too few totals)."""
-"""Raise when the features, the jobs or the fit change (cached calibrations then rerun)."""
 
 
 @dataclass(frozen=True)
@@ -56,44 +56,26 @@ class Calibration:
 
     key: dict[str, Any]
     cost: CostModel
-    measured: list[dict[str, Any]]
-    """Per job: name, rows, prompt tokens, output tokens, seconds, predicted seconds."""
-    rates: dict[str, float]
-    """Readable figures: prefill tokens/s by chunk size, decode step ms by rows and context."""
-    seconds: float
-    """Wall time the calibration took (its jobs and the fit)."""
-    per_iteration: bool
-    """Fitted to every iteration's seconds (native) rather than to each job's."""
+    measured: list[dict[str, Any]]  # per job: name, rows, tokens, seconds measured and predicted
+    rates: dict[str, float]  # prefill tokens/s by chunk size, decode step ms by rows and context
+    seconds: float  # wall time the calibration took (its jobs and the fit)
+    per_iteration: bool  # fitted to every iteration's seconds (native) rather than to each job's
+    # native: allocating (zeroing) one KV block when a run sizes its pool; 0 elsewhere
     pool_seconds_per_block: float = 0.0
-    """native: allocating (zeroing) one KV block when a run sizes its pool; 0 elsewhere."""
-    cached: bool = False
-    """Read from the cache rather than measured in this process."""
+    cached: bool = False  # read from the cache rather than measured in this process
     path: str | None = None
     created: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["cost"] = {
-            "coefficients": self.cost.as_dict(),
-            "relative_error": self.cost.relative_error,
-        }
-        return data
+        cost = {"coefficients": self.cost.as_dict(), "relative_error": self.cost.relative_error}
+        return {**asdict(self), "cost": cost}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Calibration:
-        cost = data["cost"]
-        return cls(
-            key=data["key"],
-            cost=CostModel.from_dict(cost["coefficients"], cost["relative_error"]),
-            measured=list(data["measured"]),
-            rates=dict(data["rates"]),
-            seconds=float(data["seconds"]),
-            per_iteration=bool(data["per_iteration"]),
-            pool_seconds_per_block=float(data.get("pool_seconds_per_block", 0.0)),
-            cached=True,
-            path=data.get("path"),
-            created=float(data.get("created", 0.0)),
-        )
+        """``as_dict``'s output read back (``cached``); KeyError or TypeError when it is not."""
+        cost = CostModel.from_dict(data["cost"]["coefficients"], data["cost"]["relative_error"])
+        names = {f.name for f in fields(cls)} - {"cost", "cached"}
+        return cls(**{k: v for k, v in data.items() if k in names}, cost=cost, cached=True)
 
 
 # -- the backend's schedule ----------------------------------------------------------------
@@ -118,7 +100,8 @@ def schedule_settings(op, backend) -> ScheduleSettings:
             reuse_block_size=block,
         )
     block = int(getattr(backend, "block_size", None) or config.kv_block_size)
-    budget = max(1, int(backend.kv_cache_bytes) // _bytes_per_block(op, backend, block))
+    budget = max(1, int(backend.kv_cache_bytes) // _bytes_per_block(backend, block))
+    paths = getattr(backend, "paths", None)  # native's
     return ScheduleSettings(
         max_batched_tokens=config.prefill_batch_tokens,
         max_running=config.max_batch_size,
@@ -127,22 +110,17 @@ def schedule_settings(op, backend) -> ScheduleSettings:
         fit_to_plan=True,
         share_prefixes=config.share_prefixes,
         token_batching=config.token_batching if backend.name == "native" else True,
+        copy_tails=bool(paths and paths.invariant),
     )
 
 
-def _bytes_per_block(op, backend, block: int) -> int:
+def _bytes_per_block(backend, block: int) -> int:
+    """K and V bytes of one KV block: the native backend's own figure, else (hf) the model's."""
     if hasattr(backend, "bytes_per_block"):
         return int(backend.bytes_per_block())
-    import torch
+    from llm_operator.engine.hf.prefix_store import kv_bytes_per_token
 
-    info = op.model_info.config
-    text = info.get_text_config() if hasattr(info, "get_text_config") else info
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    dtype = getattr(backend, "dtype", torch.float32)
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * text.num_hidden_layers * block * kv_heads * head_dim * element
+    return kv_bytes_per_token(backend.model) * block
 
 
 # -- the cache -----------------------------------------------------------------------------
@@ -182,13 +160,11 @@ def calibration_key(op, backend) -> dict[str, Any]:
 
 
 def backend_dtype_name(backend) -> str:
-    llm = getattr(backend, "llm", None)
-    if llm is not None:
-        try:
-            return str(llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")
-        except AttributeError:
-            pass
-    return str(getattr(backend, "dtype", "")).removeprefix("torch.")
+    try:  # vLLM: its model config's
+        dtype = backend.llm.llm_engine.vllm_config.model_config.dtype
+    except AttributeError:
+        dtype = getattr(backend, "dtype", "")
+    return str(dtype).removeprefix("torch.")
 
 
 def cpu_name() -> str:
@@ -211,18 +187,12 @@ def cache_path(op, key: dict[str, Any]) -> Path:
 
 
 def load_cached(path: Path, key: dict[str, Any]) -> Calibration | None:
+    """The calibration cached at ``path`` for ``key``; None when missing, stale or unreadable."""
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        return Calibration.from_dict({**data, "path": str(path)}) if data["key"] == key else None
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    if data.get("key") != key:
-        return None
-    try:
-        calibration = Calibration.from_dict(data)
-    except (KeyError, TypeError, ValueError):
-        return None
-    calibration.path = str(path)
-    return calibration
 
 
 def save(calibration: Calibration, path: Path) -> None:
@@ -274,44 +244,32 @@ def calibration_jobs(max_context: int, vocab_size: int, seed: int = 0) -> list[C
     shared = ids(min(128, room // 4))
     long_shared = ids(context)
     decode = max(4, min(24, room // 8))
+
+    def job(name: str, rows: int, prompt, max_tokens: int = decode) -> CalibrationJob:
+        return CalibrationJob(name, [prompt() for _ in range(rows)], [max_tokens] * rows)
+
     return [
-        CalibrationJob("prefill", [ids(short), ids(short)], [1, 1]),
-        CalibrationJob("long prefill", [ids(long), ids(long)], [1, 1]),
-        CalibrationJob("decode 1 row", [ids(16)], [decode]),
-        CalibrationJob("decode 8 rows", [ids(24) for _ in range(8)], [decode] * 8),
-        CalibrationJob("decode 32 rows", [shared + ids(8) for _ in range(32)], [decode] * 32),
-        CalibrationJob(
-            "decode 16 rows, long shared prefix",
-            [long_shared + ids(8) for _ in range(16)],
-            [decode] * 16,
-        ),
-        CalibrationJob(
-            "decode 4 rows, long own prompts", [ids(own) for _ in range(4)], [decode] * 4
-        ),
-        CalibrationJob(
-            "decode 128 rows", [ids(8) for _ in range(128)], [max(4, decode // 2)] * 128
-        ),
+        job("prefill", 2, lambda: ids(short), 1),
+        job("long prefill", 2, lambda: ids(long), 1),
+        job("decode 1 row", 1, lambda: ids(16)),
+        job("decode 8 rows", 8, lambda: ids(24)),
+        job("decode 32 rows", 32, lambda: shared + ids(8)),
+        job("decode 16 rows, long shared prefix", 16, lambda: long_shared + ids(8)),
+        job("decode 4 rows, long own prompts", 4, lambda: ids(own)),
+        job("decode 128 rows", 128, lambda: ids(8), max(4, decode // 2)),
     ]
 
 
 def run_token_ids(op, token_ids: Sequence[Sequence[int]], max_tokens: Sequence[int]):
     """Run token-id prompts (EOS ignored) on the operator's backend: (plan, seconds)."""
     from llm_operator.engine.run import Run, run_plan
-    from llm_operator.planner import build_plan
     from llm_operator.sampling import SamplingParams
 
     params = [SamplingParams(max_tokens=int(n), ignore_eos=True) for n in max_tokens]
-    plan = build_plan(
-        [list(ids) for ids in token_ids],
-        [int(n) for n in max_tokens],
-        merge_keys=list(params),
-        min_shared_tokens=op.config.min_shared_tokens,
-        decode_first=op.config.decode_first,
-        share_prefixes=op.config.share_prefixes,
-        segment_align=op.segment_align(),
-    )
+    plan, _ = op._plan([list(ids) for ids in token_ids], params)  # greedy: equal rows merge
     backend = op.backend()
-    _reset_prefix_cache(backend)
+    if (llm := getattr(backend, "llm", None)) is not None:
+        llm.reset_prefix_cache()
     run = Run(
         plan,
         [params[r.rows[0]] for r in plan.requests],
@@ -324,12 +282,6 @@ def run_token_ids(op, token_ids: Sequence[Sequence[int]], max_tokens: Sequence[i
     return plan, time.perf_counter() - started
 
 
-def _reset_prefix_cache(backend) -> None:
-    llm = getattr(backend, "llm", None)
-    if llm is not None:
-        llm.reset_prefix_cache()
-
-
 def calibrate(op, key: dict[str, Any] | None = None) -> Calibration:
     """Measure the calibration jobs on ``op``'s backend and fit the cost model."""
     started = time.perf_counter()
@@ -338,30 +290,27 @@ def calibrate(op, key: dict[str, Any] | None = None) -> Calibration:
     vocab = _vocab_size(op)
     jobs = calibration_jobs(op.max_context, vocab)
     run_token_ids(op, [[101 % vocab] * 12, [102 % vocab] * 12], [3, 3])  # warm-up
+    settings = schedule_settings(op, backend)
+    native = per_iteration = backend.name == "native"
     rows: list[tuple[float, ...]] = []
     seconds: list[float] = []
-    job_rows: list[tuple[list[float], float, CalibrationJob, Any]] = []
-    per_iteration = backend.name == "native"
-    # native warms its kernels when it starts; vLLM and hf compile or allocate for each new
-    # shape on first sight: their jobs run twice and the second, warm run counts
-    repeats = 1 if backend.name == "native" else 2
+    runs = []  # (job, its replay, its seconds)
     for job in jobs:
-        for _ in range(repeats):
+        # native warms its kernels when it starts; vLLM and hf compile or allocate for each
+        # new shape on first sight: their jobs run twice and the second, warm run counts
+        for _ in range(1 if native else 2):
             plan, wall = run_token_ids(op, job.token_ids, job.max_tokens)
-        settings = schedule_settings(op, backend)
         replayed = replay(plan, [r.max_tokens for r in plan.requests], settings, keep_steps=True)
         steps = getattr(getattr(backend, "last_profile", None), "steps", None)
         if per_iteration and steps is not None and len(steps) == len(replayed.steps):
-            for features, (_, _, step_seconds) in zip(replayed.steps, steps):
-                rows.append(features)
-                seconds.append(float(step_seconds))
+            rows.extend(replayed.steps)
+            seconds.extend(float(step_seconds) for _, _, step_seconds in steps)
         else:
             per_iteration = False
-        job_rows.append((replayed.totals, wall, job, replayed))
-    if not per_iteration:  # fit each job's total instead
-        rows = [tuple(totals) for totals, _, _, _ in job_rows]
-        seconds = [wall for _, wall, _, _ in job_rows]
-    # per job (vLLM, hf) there are few totals: fit fewer features (the rest get 0)
+        runs.append((job, replayed, wall))
+    if not per_iteration:  # fit each job's total instead: few totals, so fewer features
+        rows = [tuple(replayed.totals) for _, replayed, _ in runs]
+        seconds = [wall for _, _, wall in runs]
     cost = CostModel.fit(rows, seconds, features=None if per_iteration else JOB_FEATURES)
     measured = [
         {
@@ -371,12 +320,11 @@ def calibrate(op, key: dict[str, Any] | None = None) -> Calibration:
             "output_tokens": sum(job.max_tokens),
             "iterations": replayed.iterations,
             "seconds": wall,
-            "predicted_seconds": cost.seconds(totals),
+            "predicted_seconds": cost.seconds(replayed.totals),
         }
-        for totals, wall, job, replayed in job_rows
+        for job, replayed, wall in runs
     ]
-    per_byte = pool_seconds_per_byte() if backend.name == "native" else 0.0
-    block_bytes = _bytes_per_block(op, backend, getattr(backend, "block_size", config_block(op)))
+    per_byte = pool_seconds_per_byte() if native else 0.0
     return Calibration(
         key=key,
         cost=cost,
@@ -384,12 +332,8 @@ def calibrate(op, key: dict[str, Any] | None = None) -> Calibration:
         rates={**readable_rates(cost, jobs), "kv_pool_seconds_per_gib": per_byte * 2**30},
         seconds=time.perf_counter() - started,
         per_iteration=per_iteration,
-        pool_seconds_per_block=per_byte * block_bytes,
+        pool_seconds_per_block=per_byte * backend.bytes_per_block() if native else 0.0,
     )
-
-
-def config_block(op) -> int:
-    return op.config.kv_block_size
 
 
 def pool_seconds_per_byte(size: int = 256 << 20) -> float:
@@ -411,10 +355,10 @@ def readable_rates(cost: CostModel, jobs: Sequence[CalibrationJob]) -> dict[str,
     4096-token chunk, and decode step milliseconds at 1, 32 and 128 rows over 512 keys."""
     rates: dict[str, float] = {}
     for chunk in (512, 4096):
-        features = (1.0, chunk, min(chunk, 1024), 1.0, 1.0, chunk * (chunk + 1) / 2, 0.0, 0.0)
+        features = iteration_total([chunk_features(0, chunk, 0, sample=True, decode=False)])
         rates[f"prefill_tokens_per_s_chunk_{chunk}"] = chunk / max(cost.seconds(features), 1e-9)
     for rows in (1, 32, 128):
-        features = (1.0, rows, rows, rows, rows, 0.0, rows * 512.0, 0.0)
+        features = iteration_total([chunk_features(511, 1, 0, sample=True, decode=True)] * rows)
         rates[f"decode_step_ms_{rows}_rows_512_context"] = cost.seconds(features) * 1e3
     return rates
 
@@ -423,6 +367,3 @@ def _vocab_size(op) -> int:
     config = op.model_config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return int(getattr(text, "vocab_size", None) or len(op.tokenizer))
-
-
-assert len(FEATURES) == 8, "readable_rates writes eight features"

@@ -20,7 +20,7 @@ by ``T * c_token`` (compute-bound) and its attention.
 
 from __future__ import annotations
 
-import math
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -59,28 +59,18 @@ some GEMMs (bf16 on a CPU) run faster per row the more rows they get."""
 def iteration_total(chunks: list[tuple[float, ...]]) -> list[float]:
     """An iteration's features: its chunks' summed, with the per-iteration 1 and
     ``first_tokens`` (its tokens up to ``FIRST_TOKENS``)."""
-    total = [0.0] * len(FEATURES)
-    for features in chunks:
-        add(total, features)
+    total = [sum(column) for column in zip(*chunks)] or [0.0] * len(FEATURES)
     total[0] = 1.0
     total[2] = min(total[1], FIRST_TOKENS)
     return total
-
-
-def add(total: list[float], features: Sequence[float]) -> None:
-    """total += features, in place."""
-    for index, value in enumerate(features):
-        total[index] += value
 
 
 @dataclass(frozen=True)
 class CostModel:
     """Seconds of an iteration as a linear function of ``FEATURES`` (coefficients >= 0)."""
 
-    coefficients: tuple[float, ...]
-    """Seconds per unit of each feature, in ``FEATURES`` order."""
-    relative_error: float = 0.0
-    """Median |predicted - measured| / measured over the runs it was fitted to."""
+    coefficients: tuple[float, ...]  # seconds per unit of each feature, in ``FEATURES`` order
+    relative_error: float = 0.0  # median |predicted - measured| / measured over the fitted runs
 
     def seconds(self, features: Sequence[float]) -> float:
         """Predicted seconds of an iteration (or of a sum of iterations' features)."""
@@ -98,13 +88,11 @@ class CostModel:
         cls,
         rows: Sequence[Sequence[float]],
         seconds: Sequence[float],
-        weights: Iterable[float] | None = None,
         features: Iterable[str] | None = None,
     ) -> CostModel:
         """Non-negative least squares of ``seconds`` on the feature ``rows``, each row's
         residual relative to its own seconds (so short decode steps count as much as long
-        prefill chunks). ``weights``: how much each row counts besides (default 1);
-        ``features``: the ones fitted (default all; the others get 0)."""
+        prefill chunks). ``features``: the ones fitted (default all; the others get 0)."""
         import torch
 
         if len(rows) != len(seconds) or not rows:
@@ -113,12 +101,7 @@ class CostModel:
             )
         x = torch.tensor([list(map(float, row)) for row in rows], dtype=torch.float64)
         y = torch.tensor([float(s) for s in seconds], dtype=torch.float64)
-        w = (
-            torch.ones_like(y)
-            if weights is None
-            else torch.tensor(list(weights), dtype=torch.float64)
-        )
-        w = w / y.clamp_min(1e-6).sqrt()
+        w = 1 / y.clamp_min(1e-6).sqrt()
         allowed = set(FEATURES if features is None else features)
         active = [
             k for k in range(x.shape[1]) if FEATURES[k] in allowed and bool((x[:, k] != 0).any())
@@ -134,12 +117,4 @@ class CostModel:
             del active[int(torch.argmin(solution))]
         predicted = x @ coefficients
         errors = ((predicted - y).abs() / y.clamp_min(1e-6)).tolist()
-        return cls(tuple(coefficients.tolist()), float(_median(errors)))
-
-
-def _median(values: list[float]) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+        return cls(tuple(coefficients.tolist()), float(statistics.median(errors)))

@@ -13,18 +13,16 @@ the sample) so a reader can judge it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import random
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from llm_operator.estimate.calibration import (
-    Calibration,
-    load_or_calibrate,
-    schedule_settings,
-)
+from llm_operator.estimate.calibration import Calibration, load_or_calibrate, schedule_settings
 from llm_operator.estimate.cost import CostModel
 from llm_operator.estimate.lengths import LengthModel, Observed, group_key, observed
 from llm_operator.estimate.replay import ScheduleSettings, replay
@@ -80,15 +78,12 @@ class Estimate:
     @property
     def sample_check(self) -> float:
         """Measured over predicted seconds of the sample run (1.0: the model fits now)."""
-        if self.sample_predicted_seconds <= 0:
-            return math.nan
-        return self.sample_seconds / self.sample_predicted_seconds
+        predicted = self.sample_predicted_seconds
+        return self.sample_seconds / predicted if predicted > 0 else math.nan
 
     def as_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["rows_per_second"] = self.rows_per_second
-        data["sample_check"] = self.sample_check
-        return data
+        extra = {"rows_per_second": self.rows_per_second, "sample_check": self.sample_check}
+        return {**asdict(self), **extra}
 
     def report(self) -> str:
         """The estimate as lines a person reads."""
@@ -127,8 +122,7 @@ class Estimate:
                 f"  sample check       {self.sample_check:>12.2f}  "
                 "(measured / predicted seconds of the sample run)"
             )
-        rates = c.get("rates", {})
-        if rates:
+        if rates := c.get("rates", {}):
             lines.append(
                 "  calibration        "
                 f"prefill {rates.get('prefill_tokens_per_s_chunk_4096', 0):,.0f} tokens/s (4096-token chunks), "
@@ -139,8 +133,7 @@ class Estimate:
                 )
                 + " ms a step (1 / 32 / 128 rows)"
             )
-        for assumption in self.assumptions:
-            lines.append(f"  assumes: {assumption}")
+        lines.extend(f"  assumes: {assumption}" for assumption in self.assumptions)
         return "\n".join(lines)
 
 
@@ -227,11 +220,15 @@ def start_backend(op) -> float:
     return time.perf_counter() - started
 
 
-def check_options(sample_rows: Any, executors: Any) -> int | None:
+def check_options(sample_rows: Any, executors: Any = 1) -> int | None:
     """ValueError naming ``sample_rows`` or ``executors``; the sample size (None: auto)."""
     if isinstance(executors, bool) or not isinstance(executors, int) or executors < 1:
         raise ValueError(f"executors must be an int >= 1, got {executors!r}")
-    return _sample_size_option(sample_rows)
+    if sample_rows == "auto":
+        return None
+    if isinstance(sample_rows, bool) or not isinstance(sample_rows, int) or sample_rows < 0:
+        raise ValueError(f'sample_rows must be "auto" or an int >= 0, got {sample_rows!r}')
+    return sample_rows
 
 
 def predict_prompts(
@@ -243,16 +240,23 @@ def predict_prompts(
     prepared, plan, _, ignore_eos, prepare_seconds = plan_prompts(op, prompts, sampling)
     predicted = predict(plan, ignore_eos, inputs)
     return PartitionPrediction(
-        rows=len(prepared.token_ids),
-        error_rows=len(prepared.errors),
-        requests=len(plan.requests),
-        prompt_tokens=plan.stats.prompt_tokens,
-        prefill_tokens=predicted.prefill_tokens,
-        output_tokens=predicted.output_tokens,
-        iterations=predicted.iterations,
+        **_counts(prepared, plan, predicted),
         prepare_seconds=prepare_seconds,
         seconds=prepare_seconds + predicted.seconds,
     )
+
+
+def _counts(prepared, plan, predicted: Prediction) -> dict[str, int]:
+    """The rows, requests and tokens ``Estimate`` and ``PartitionPrediction`` both give."""
+    return {
+        "rows": len(prepared.token_ids),
+        "error_rows": len(prepared.errors),
+        "requests": len(plan.requests),
+        "prompt_tokens": plan.stats.prompt_tokens,
+        "prefill_tokens": predicted.prefill_tokens,
+        "output_tokens": predicted.output_tokens,
+        "iterations": predicted.iterations,
+    }
 
 
 def cost_inputs(
@@ -269,7 +273,7 @@ def cost_inputs(
     """Calibrate ``op``'s backend (cached) and generate a sample of ``prompts`` for the
     output lengths: (the inputs of every later ``predict``, what the sample measured).
     ``planned``: ``plan_prompts``' result when the caller has it already."""
-    size = _sample_size_option(sample_rows)
+    size = check_options(sample_rows)
     prepared, plan, valid, ignore_eos, _ = planned or plan_prompts(op, prompts, sampling)
     start_backend(op)
     backend = op.backend()
@@ -282,19 +286,18 @@ def cost_inputs(
     upper = predict(plan, ignore_eos, bounds).seconds
     lower = predict(plan, ignore_eos, bounds, known=dict.fromkeys(unknown, 1)).seconds
     lengths_matter = upper > lower * (1 + LENGTHS_MATTER)
-    if size is None:  # auto: within the budget, and only when lengths matter
-        order = _choose_sample(plan, unknown, auto_sample_size(len(unknown)), seed, ordered=False)
-        chosen = []
-        if lengths_matter:  # a few rows over the groups, then more while the budget lasts
-            chosen = order[:MIN_SAMPLE]
-            for request_id in order[MIN_SAMPLE:]:
-                trial = [*chosen, request_id]
-                if _sample_cost(op, plan, trial, bounds) > SAMPLE_BUDGET * lower:
-                    break
-                chosen = trial
-        chosen.sort()
-    else:
+    if size is not None:
         chosen = _choose_sample(plan, unknown, size, seed)
+    elif lengths_matter:  # auto: a few rows over the groups, then more while the budget lasts
+        order = _choose_sample(plan, unknown, auto_sample_size(len(unknown)), seed)
+        chosen = order[:MIN_SAMPLE]
+        for request_id in order[MIN_SAMPLE:]:
+            if _sample_cost(op, plan, [*chosen, request_id], bounds) > SAMPLE_BUDGET * lower:
+                break
+            chosen.append(request_id)
+    else:  # auto, and lengths barely matter: no sample
+        chosen = []
+    chosen.sort()
     sample = {
         "rows": len(chosen),
         "seconds": 0.0,
@@ -303,6 +306,8 @@ def cost_inputs(
         "lower_seconds": lower,
         "upper_seconds": upper,
         "lengths_matter": lengths_matter,
+        "calibration": calibration,
+        "unknown": len(unknown),
     }
     sampled: list[tuple[str, Observed]] = []
     if chosen:
@@ -310,14 +315,12 @@ def cost_inputs(
         sample_params = [prepared.params[row] for row in rows]
         results = op.generate([prompts[row] for row in rows], sample_params)
         stats = op.last_stats
-        sample["seconds"] = stats.seconds
-        known: dict[int, int] = {}
+        known = sample["known"]
         for request_id, result, p in zip(chosen, results, sample_params):
             if result.finish_reason != "error":
                 o = observed(result.completion_tokens, result.finish_reason, p.max_tokens)
                 sampled.append((group_key(plan.requests[request_id]), o))
                 known[request_id] = o.samples
-        sample["known"] = known
         # the sample's own run, predicted: how well the calibration fits now
         sample_plan, sample_valid = op._plan(
             [prepared.token_ids[row] for row in rows], sample_params
@@ -326,17 +329,14 @@ def cost_inputs(
             r.request_id: known.get(chosen[sample_valid[r.rows[0]]], 1)
             for r in sample_plan.requests
         }
-        sample["predicted_seconds"] = (
-            predict(
-                sample_plan, [False] * len(sample_plan.requests), bounds, known=sample_known
-            ).seconds
-            + stats.tokenize_seconds
-            + stats.plan_seconds
+        predicted = predict(
+            sample_plan, [False] * len(sample_plan.requests), bounds, known=sample_known
         )
-    inputs = dataclasses.replace(bounds, lengths=LengthModel.of(sampled))
-    sample["calibration"] = calibration
-    sample["unknown"] = len(unknown)
-    return inputs, sample
+        sample["seconds"] = stats.seconds
+        sample["predicted_seconds"] = (
+            predicted.seconds + stats.tokenize_seconds + stats.plan_seconds
+        )
+    return dataclasses.replace(bounds, lengths=LengthModel.of(sampled)), sample
 
 
 def estimate(
@@ -361,7 +361,6 @@ def estimate(
     planned = plan_prompts(op, prompts, sampling)
     prepared, plan, valid, ignore_eos, prepare_seconds = planned
     load_seconds = start_backend(op)
-    backend = op.backend()
     inputs, sample = cost_inputs(
         op,
         prompts,
@@ -378,14 +377,15 @@ def estimate(
     lengths = inputs.lengths
 
     assumptions: list[str] = []
-    groups = {group_key(r) for r in plan.requests if not ignore_eos[r.request_id]}
     if sample["unknown"] and not lengths.everything:
         assumptions.append("no sampled row: every row runs to its max_tokens (an upper bound)")
-    elif sample["unknown"] and (missing := groups - set(lengths.by_group)):
-        assumptions.append(
-            f"{len(missing)} of {len(groups)} prefix groups had no sampled row: their lengths "
-            "are drawn from all sampled rows"
-        )
+    elif sample["unknown"]:
+        groups = {group_key(r) for r in plan.requests if not ignore_eos[r.request_id]}
+        if missing := groups - set(lengths.by_group):
+            assumptions.append(
+                f"{len(missing)} of {len(groups)} prefix groups had no sampled row: their "
+                "lengths are drawn from all sampled rows"
+            )
     if any(p.choices is not None and p.logprobs for p in params):
         assumptions.append("choices with logprobs: the scoring requests are not counted")
     if any(p.constraint is not None for p in params):
@@ -434,16 +434,10 @@ def estimate(
         executor_seconds += prepare_seconds / executors
         machine_seconds += prepare_seconds
     return Estimate(
-        backend=backend.name,
+        backend=inputs.backend,
         dtype=calibration.key.get("dtype", ""),
         device=calibration.key.get("device", ""),
-        rows=len(prepared.token_ids),
-        error_rows=len(prepared.errors),
-        requests=len(plan.requests),
-        prompt_tokens=plan.stats.prompt_tokens,
-        prefill_tokens=middle.prefill_tokens,
-        output_tokens=middle.output_tokens,
-        iterations=middle.iterations,
+        **_counts(prepared, plan, middle),
         seconds=seconds,
         low_seconds=min(low, seconds),
         high_seconds=max(high, seconds),
@@ -458,60 +452,35 @@ def estimate(
     )
 
 
-def _sample_size_option(sample_rows: int | str) -> int | None:
-    if sample_rows == "auto":
-        return None
-    if isinstance(sample_rows, bool) or not isinstance(sample_rows, int) or sample_rows < 0:
-        raise ValueError(f'sample_rows must be "auto" or an int >= 0, got {sample_rows!r}')
-    return sample_rows
-
-
 def auto_sample_size(requests: int) -> int:
-    """The most rows ``sample_rows="auto"`` generates: 2% of the requests, at least 4 and
-    at most 64 (past the first 4, only while ``SAMPLE_BUDGET`` lasts; none when lengths
-    barely matter)."""
+    """The most rows ``sample_rows="auto"`` generates (see ``SAMPLE_FRACTION``)."""
     return min(requests, max(MIN_SAMPLE, min(MAX_SAMPLE, math.ceil(SAMPLE_FRACTION * requests))))
 
 
-_T90 = {1: 6.31, 2: 2.92, 3: 2.35, 4: 2.13, 5: 2.02, 6: 1.94, 7: 1.89, 8: 1.86, 9: 1.83,
-        10: 1.81, 15: 1.75, 20: 1.72, 30: 1.70}  # fmt: skip
+_T90 = ((1, 6.31), (2, 2.92), (3, 2.35), (4, 2.13), (5, 2.02), (6, 1.94), (7, 1.89), (8, 1.86),
+        (9, 1.83), (10, 1.81), (15, 1.75), (20, 1.72), (30, 1.70))  # fmt: skip
 
 
 def _t90(degrees: int) -> float:
     """Student's t for a two-sided 90% interval (1.645 past 30 degrees of freedom)."""
-    for limit in sorted(_T90):
-        if degrees <= limit:
-            return _T90[limit]
-    return 1.645
+    return next((t for limit, t in _T90 if degrees <= limit), 1.645)
 
 
 def _sample_cost(op, plan, request_ids: list[int], bounds: CostInputs) -> float:
     """Predicted seconds of generating these requests alone, each to its max_tokens."""
+    from llm_operator.sampling import SamplingParams
+
     requests = [plan.requests[i] for i in request_ids]
     sub, _ = op._plan(
         [list(r.token_ids) for r in requests],
-        [_max_tokens_params(r.max_tokens) for r in requests],
+        [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True) for r in requests],
     )
     return predict(sub, [True] * len(sub.requests), bounds).seconds
 
 
-def _max_tokens_params(max_tokens: int):
-    from llm_operator.sampling import SamplingParams
-
-    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-
-
-def _choose_sample(
-    plan, candidates: list[int], size: int | None, seed: int, *, ordered: bool = True
-) -> list[int]:
-    """Requests to generate, spread over the prefix groups (largest first, round-robin),
-    each group's members in a seeded random order; in plan order (``ordered``), else in
-    the order they were drawn."""
-    if not candidates:
-        return []
-    size = auto_sample_size(len(candidates)) if size is None else min(size, len(candidates))
-    if size <= 0:
-        return []
+def _choose_sample(plan, candidates: list[int], size: int, seed: int) -> list[int]:
+    """Up to ``size`` requests to generate, in the order drawn: spread over the prefix groups
+    (largest first, round-robin), each group's members in a seeded random order."""
     rng = random.Random(seed)
     by_group: dict[int, list[int]] = {}
     for request_id in candidates:
@@ -519,12 +488,9 @@ def _choose_sample(
     queues = sorted(by_group.values(), key=len, reverse=True)
     for members in queues:
         rng.shuffle(members)
-    chosen: list[int] = []
-    while len(chosen) < size:
-        for members in queues:
-            if members and len(chosen) < size:
-                chosen.append(members.pop())
-    return sorted(chosen) if ordered else chosen
+    rounds = itertools.zip_longest(*(reversed(members) for members in queues))  # round-robin
+    drawn = [request_id for turn in rounds for request_id in turn if request_id is not None]
+    return drawn[:size]
 
 
 def _split(op, plan, ignore_eos, inputs: CostInputs, executors: int, known) -> tuple[float, float]:
@@ -563,7 +529,6 @@ def _split(op, plan, ignore_eos, inputs: CostInputs, executors: int, known) -> t
             min_shared_tokens=op.config.min_shared_tokens,
             decode_first=op.config.decode_first,
             share_prefixes=op.config.share_prefixes,
-            segment_align=op.segment_align(),
         )
         sub_known = {r.request_id: samples[requests[r.rows[0]].request_id] for r in sub.requests}
         times.append(predict(sub, [False] * len(sub.requests), inputs, known=sub_known).seconds)
@@ -572,29 +537,22 @@ def _split(op, plan, ignore_eos, inputs: CostInputs, executors: int, known) -> t
 
 def sample_fields(sample: dict[str, Any], lengths: LengthModel) -> dict[str, Any]:
     """``Estimate``'s sample and calibration fields from ``cost_inputs``' sample record."""
-    everything = lengths.everything
+    calibration: Calibration = sample["calibration"]
     return {
         "sample_rows": sample["rows"],
         "sample_seconds": sample["seconds"],
         "sample_predicted_seconds": sample["predicted_seconds"],
-        "sample_output_tokens": (
-            sum(o.samples for o in everything) / len(everything) if everything else 0.0
-        ),
-        "calibration": _calibration_summary(sample["calibration"]),
-    }
-
-
-def _calibration_summary(calibration: Calibration) -> dict[str, Any]:
-    key = calibration.key
-    return {
-        "cached": calibration.cached,
-        "seconds": calibration.seconds,
-        "path": calibration.path,
-        "cpu": key.get("cpu"),
-        "threads": key.get("threads"),
-        "per_iteration": calibration.per_iteration,
-        "relative_error": calibration.cost.relative_error,
-        "coefficients": calibration.cost.as_dict(),
-        "rates": calibration.rates,
-        "jobs": calibration.measured,
+        "sample_output_tokens": statistics.fmean([o.samples for o in lengths.everything] or [0]),
+        "calibration": {
+            "cached": calibration.cached,
+            "seconds": calibration.seconds,
+            "path": calibration.path,
+            "cpu": calibration.key.get("cpu"),
+            "threads": calibration.key.get("threads"),
+            "per_iteration": calibration.per_iteration,
+            "relative_error": calibration.cost.relative_error,
+            "coefficients": calibration.cost.as_dict(),
+            "rates": calibration.rates,
+            "jobs": calibration.measured,
+        },
     }

@@ -51,13 +51,10 @@ class LengthModel:
 
     @classmethod
     def of(cls, sampled: Sequence[tuple[str, Observed]]) -> LengthModel:
-        by_group: dict[str, list[Observed]] = {}
+        by_group: dict[str, tuple[Observed, ...]] = {}
         for key, o in sampled:
-            by_group.setdefault(key, []).append(o)
-        return cls(
-            {key: tuple(values) for key, values in by_group.items()},
-            tuple(o for _, o in sampled),
-        )
+            by_group[key] = (*by_group.get(key, ()), o)
+        return cls(by_group, tuple(o for _, o in sampled))
 
     @property
     def spread(self) -> float:
@@ -77,31 +74,21 @@ class LengthModel:
         known: Mapping[int, int] | None = None,
     ) -> list[int]:
         """Samples per planned request: its max_tokens with EOS ignored, ``known[i]`` for a
-        request measured already, else drawn from its group's sampled rows (all of them for
-        a group without one); with no sampled row at all, max_tokens (an upper bound)."""
+        request measured already, else drawn (the ``i``-th, cycling) from its group's sampled
+        rows (all of them for a group without one): a row cut at its max_tokens says the row
+        runs to its own max_tokens; ``scale`` moves every natural length (the range's ends).
+        With no sampled row at all, max_tokens (an upper bound)."""
         known = known or {}
         result = []
         for request in plan.requests:
-            i = request.request_id
+            i, max_tokens = request.request_id, request.max_tokens
             if ignore_eos[i]:
-                result.append(request.max_tokens)
+                result.append(max_tokens)
             elif i in known:
                 result.append(known[i])
             else:
                 pool = self.by_group.get(group_key(request)) or self.everything
-                result.append(predicted_samples(request.max_tokens, pool, i, scale))
+                seen = pool[i % len(pool)] if pool else None
+                natural = max_tokens if seen is None or seen.cut else round(seen.samples * scale)
+                result.append(max(1, min(max_tokens, natural)))
         return result
-
-
-def predicted_samples(
-    max_tokens: int, pool: Sequence[Observed], index: int, scale: float = 1.0
-) -> int:
-    """A row's samples drawn (the ``index``-th, cycling) from sampled rows: a row cut at
-    its max_tokens says the row runs to its own max_tokens; ``scale`` moves every natural
-    length (the range's ends)."""
-    if not pool:
-        return max_tokens
-    seen = pool[index % len(pool)]
-    if seen.cut:
-        return max_tokens
-    return max(1, min(max_tokens, round(seen.samples * scale)))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from llm_operator.engine.native.block_manager import BlockManager
 from llm_operator.engine.native.scheduler import Scheduler
-from llm_operator.estimate.cost import FEATURES, add, chunk_features, iteration_total
+from llm_operator.estimate.cost import FEATURES, chunk_features, iteration_total
 from llm_operator.planner import Plan
 
 
@@ -32,15 +32,14 @@ class ScheduleSettings:
     max_batched_tokens: int
     max_running: int
     block_size: int
-    num_blocks: int
-    """The KV pool's blocks (``fit_to_plan``: the budget, cut to what the plan needs)."""
-    fit_to_plan: bool = False
-    """The backend sizes its pool per run (native: ``NativeBackend._num_blocks``)."""
+    num_blocks: int  # the KV pool's blocks (``fit_to_plan``: the budget, cut to the plan's need)
+    fit_to_plan: bool = False  # the backend sizes its pool per run (``NativeBackend._num_blocks``)
     share_prefixes: bool = True
     token_batching: bool = True
+    # >0: shared prefixes are reused in whole blocks of this many tokens (vLLM's prefix cache);
+    # the rest of a request's shared prefix is computed again with its own tokens
     reuse_block_size: int = 0
-    """>0: shared prefixes are reused in whole blocks of this many tokens (vLLM's prefix
-    cache); the rest of a request's shared prefix is computed again with its own tokens."""
+    copy_tails: bool = False  # native's batch-invariant mode: sequences start on block bounds
 
 
 @dataclass
@@ -50,10 +49,7 @@ class Replay:
     totals: list[float]  # cost.FEATURES summed over iterations
     iterations: int = 0
     prefill_tokens: int = 0
-    decode_tokens: int = 0
-    sampled: int = 0
     preemptions: int = 0
-    rejected: int = 0
     num_blocks: int = 0  # the KV pool this run uses
     steps: list[tuple[float, ...]] = field(default_factory=list)  # per iteration (keep_steps)
 
@@ -85,10 +81,9 @@ def replay(
         max_running=settings.max_running,
         share_prefixes=settings.share_prefixes,
         token_batching=settings.token_batching,
+        copy_tails=settings.copy_tails,
     )
-    counts = [0] * len(plan.requests)
-    targets = [max(1, int(n)) for n in samples]
-    segment_end = [segment.end for segment in plan.segments]
+    left = [max(1, int(n)) for n in samples]  # tokens each request has yet to sample
     result = Replay([0.0] * len(FEATURES), num_blocks=num_blocks)
     reuse = settings.reuse_block_size
     while not scheduler.done:
@@ -98,33 +93,27 @@ def replay(
         parts = []
         for chunk in chunks:
             seq = chunk.seq
-            prefix = segment_end[seq.chain[-1]] if seq.chain else 0
-            start, length = chunk.start, chunk.length
+            prefix, start, length = seq.prefix_length, chunk.start, chunk.length
             if reuse and prefix and start == 0 and seq.kind.value == "request":
                 redo = prefix % reuse  # the tail of the shared prefix past its last whole block
                 prefix, start, length = prefix - redo, 0, length + redo
             parts.append(
                 chunk_features(start, length, prefix, sample=chunk.sample, decode=chunk.is_decode)
             )
-            if chunk.is_decode:
-                result.decode_tokens += 1
-            else:
+            if not chunk.is_decode:
                 result.prefill_tokens += length
         step = iteration_total(parts)
         scheduler.complete(chunks)
         for chunk in chunks:
             if chunk.sample:
-                request_id = chunk.seq.ref
-                counts[request_id] += 1
-                result.sampled += 1
-                if counts[request_id] >= targets[request_id]:
+                left[chunk.seq.ref] -= 1
+                if left[chunk.seq.ref] <= 0:
                     scheduler.finish(chunk.seq)
                 else:
                     scheduler.append_token(chunk.seq, 0)
-        add(result.totals, step)
+        result.totals = [t + f for t, f in zip(result.totals, step)]
         result.iterations += 1
         if keep_steps:
             result.steps.append(tuple(step))
     result.preemptions = scheduler.stats.preemptions
-    result.rejected = len(scheduler.rejected)
     return result

@@ -34,7 +34,6 @@ def build_plan(
     min_shared_tokens: int = EngineConfig.min_shared_tokens,
     decode_first: bool = EngineConfig.decode_first,
     share_prefixes: bool = EngineConfig.share_prefixes,
-    segment_align: int = 1,
 ) -> Plan:
     """Plan a batch of tokenized prompts.
 
@@ -45,8 +44,6 @@ def build_plan(
     min_shared_tokens: a shared prefix-tree node shorter than this is not a segment.
     decode_first: order by max_tokens / prompt length, larger first (False: input order).
     share_prefixes: False gives no segments and one group of prefix 0 per request.
-    segment_align: every shared segment ends at a multiple of this many tokens (the KV block
-        size, for the batch-invariant mode: segments then start and end on block boundaries).
 
     Every input row lands in exactly one request's ``rows``. Raises ValueError or TypeError
     naming the bad argument. The cyclic garbage collector is paused while planning (the plan
@@ -60,7 +57,6 @@ def build_plan(
             min_shared_tokens=min_shared_tokens,
             decode_first=decode_first,
             share_prefixes=share_prefixes,
-            segment_align=segment_align,
         )
 
 
@@ -83,12 +79,9 @@ def _build_plan(
     min_shared_tokens: int,
     decode_first: bool,
     share_prefixes: bool,
-    segment_align: int = 1,
 ) -> Plan:
     started = time.perf_counter()
     _check_flags(min_shared_tokens, decode_first, share_prefixes)
-    if not _is_int(segment_align) or segment_align < 1:
-        raise ValueError(f"segment_align must be an int >= 1, got {segment_align!r}")
     if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
         raise TypeError(
             f"token_ids must be a sequence of token id sequences, got {type(token_ids)}"
@@ -120,7 +113,7 @@ def _build_plan(
     if share_prefixes:
         trie = build_prefix_tree(request_keys)
         unique_tokens = trie.unique_tokens
-        tree = derive_segment_tree(trie, min_shared_tokens, segment_align)
+        tree = derive_segment_tree(trie, min_shared_tokens)
     else:
         unique_tokens = count_unique_tokens(request_keys)
         tree = unshared_segment_tree(len(request_keys))

@@ -63,17 +63,13 @@ def unshared_segment_tree(num_requests: int) -> SegmentTree:
     return tree
 
 
-def derive_segment_tree(trie: PrefixTree, min_shared_tokens: int, align: int = 1) -> SegmentTree:
+def derive_segment_tree(trie: PrefixTree, min_shared_tokens: int) -> SegmentTree:
     """Keep the trie nodes shared by >= 2 requests and at least ``min_shared_tokens`` long.
 
     A node's length is measured from the end of its nearest kept ancestor, so the tokens of
-    dissolved ancestors count towards it. ``align``: every segment ends at a multiple of
-    this many tokens (a node's shared tokens past its last multiple stay with its children
-    and requests), so that with KV blocks of ``align`` tokens every segment starts and ends
-    on a block boundary, as a row's own prompt does (batch-invariant attention).
+    dissolved ancestors count towards it.
     """
     assert min_shared_tokens >= 1, "min_shared_tokens must be validated by the caller"
-    assert align >= 1, "align must be validated by the caller"
     nodes = trie.preorder()
     below = [len(prompts) for prompts in trie.terminals]
     for node in reversed(nodes):
@@ -90,7 +86,7 @@ def derive_segment_tree(trie: PrefixTree, min_shared_tokens: int, align: int = 1
             continue
         parent = trie.parent[node]
         start = uncovered_from[parent]
-        depth = trie.depth[node] - trie.depth[node] % align
+        depth = trie.depth[node]
         if below[node] >= 2 and depth - start >= min_shared_tokens:
             segment = len(tree.start)
             tree.start.append(start)

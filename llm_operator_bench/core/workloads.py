@@ -5,6 +5,8 @@
     doc-qa       one system prompt for all, then N documents asked K questions each (two levels)
     table-rows   a product/review table rendered field by field (Liu et al. 2024); the field
                  order decides how much is shared ("shared-first" or the "schema" order)
+    short-rows   a ratings table in the shape of MovieLens (genre, film, user) under one
+                 instruction: rows of a few tokens of their own, sharing three levels deep
     no-sharing   plain-string prompts that share no leading tokens (a control)
     long-answers doc-qa's shape with long documents and long answers: decode-heavy, EOS
                  ignored (``Workload.ignore_eos``) so every system decodes the same lengths
@@ -62,6 +64,11 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "quick": dict(rows=10, categories=2, brands_per_category=2, products_per_brand=2, description_tokens=(60, 90), review_tokens=(30, 60), max_tokens=(8, 24), field_order="shared-first"),
         "default": dict(rows=40, categories=3, brands_per_category=2, products_per_brand=2, description_tokens=(220, 320), review_tokens=(100, 220), max_tokens=(16, 100), field_order="shared-first"),
     },
+    "short-rows": {
+        "tiny": dict(rows=12, genres=2, films_per_genre=2, max_tokens=(1, 2)),
+        "quick": dict(rows=48, genres=3, films_per_genre=3, max_tokens=(1, 2)),
+        "default": dict(rows=480, genres=4, films_per_genre=6, max_tokens=(1, 2)),
+    },
     "no-sharing": {
         "tiny": dict(rows=8, prompt_tokens=(50, 90), max_tokens=(2, 6)),
         "quick": dict(rows=8, prompt_tokens=(150, 250), max_tokens=(8, 24)),
@@ -78,7 +85,15 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "default": dict(tasks=4, rows=2000, prefix_tokens=(300, 450), min_examples=6, input_tokens=(15, 60), extra_tokens=2),
     },
 }  # fmt: skip
-WORKLOAD_NAMES = ("etl-fewshot", "doc-qa", "table-rows", "no-sharing", "long-answers", "classify")
+WORKLOAD_NAMES = (
+    "etl-fewshot",
+    "doc-qa",
+    "table-rows",
+    "short-rows",
+    "no-sharing",
+    "long-answers",
+    "classify",
+)
 DEFAULT_WORKLOADS = WORKLOAD_NAMES[:-1]
 """What ``--workloads`` runs when not given: every workload but classify (thousands of rows:
 ``--workloads classify`` or ``all`` asks for it)."""
@@ -89,6 +104,8 @@ WORKLOAD_SUMMARIES = {
     "(two levels of sharing)",
     "table-rows": "a product/review table rendered field by field; the field order decides "
     "how much is shared",
+    "short-rows": "ratings rows of a few tokens each under one instruction, grouped by "
+    "genre and film (three levels of sharing, little of each row its own)",
     "no-sharing": "plain-string prompts that share no leading tokens (a control)",
     "long-answers": "doc-qa's shape with long documents and long answers: decode-heavy, "
     "EOS ignored",
@@ -581,6 +598,51 @@ def _table_rows(
     return prompts, max_tokens, description
 
 
+# -- short-rows ---------------------------------------------------------------------------
+_GENRES = ("Comedy", "Drama", "Thriller", "Animation", "Documentary", "Romance", "Western")
+_TITLE_WORDS = (
+    ("Silent", "Last", "Golden", "Broken", "Hidden", "Frozen", "Wild", "Midnight", "Paper"),
+    ("River", "Garden", "Empire", "Letter", "Voyage", "Harbor", "Summer", "Promise", "Road"),
+)
+_OCCUPATIONS = ("teacher", "nurse", "student", "engineer", "farmer", "artist", "lawyer", "chef")
+_SHORT_ROWS_INSTRUCTION = (
+    "Predict the rating from 1 to 5 that this user gives the film. Answer with one digit."
+)
+
+
+def _short_rows(
+    rng: random.Random, count: _Tokens, p: dict[str, Any]
+) -> tuple[list, list[int], str]:
+    """Rows (genre, film, user) in shuffled order; each row's own part is the user (age and
+    occupation, a few tokens), so aligning shared segments to KV blocks would cost each row
+    up to a block of recomputed tokens per level."""
+    if p["genres"] > len(_GENRES):
+        raise ValueError(f"genres={p['genres']!r} must be <= {len(_GENRES)} here")
+    titles = [f"The {a} {b}" for a in _TITLE_WORDS[0] for b in _TITLE_WORDS[1]]
+    films = [
+        (genre, title, rng.randint(1950, 2024))
+        for genre in rng.sample(_GENRES, p["genres"])
+        for title in rng.sample(titles, p["films_per_genre"])
+    ]
+    prompts, seen = [], set()
+    for row in range(p["rows"]):
+        genre, title, year = films[row % len(films)]
+        film = f"Genre: {genre}\nFilm: {title} ({year})\nUser: "
+
+        def draw(film: str = film) -> str:
+            return f"{film}{rng.randint(18, 80)}-year-old {rng.choice(_OCCUPATIONS)}"
+
+        record = _unique(draw, seen)
+        prompts.append([{"role": "user", "content": _SHORT_ROWS_INSTRUCTION + "\n\n" + record}])
+    rng.shuffle(prompts)
+    max_tokens = [_draw(rng, p["max_tokens"]) for _ in prompts]
+    description = (
+        f"{p['rows']} ratings rows of {len(films)} films in {p['genres']} genres under one "
+        "instruction, each row's own part a user of a few tokens"
+    )
+    return prompts, max_tokens, description
+
+
 # -- no-sharing ---------------------------------------------------------------------------
 _NO_SHARING_TOPICS = ("review", "support", "policy", "technical", "company", "product")
 _ENDINGS = (
@@ -736,6 +798,7 @@ _BUILDERS: dict[
     "etl-fewshot": _etl_fewshot,
     "doc-qa": _doc_qa,
     "table-rows": _table_rows,
+    "short-rows": _short_rows,
     "no-sharing": _no_sharing,
     "long-answers": _long_answers,
 }

@@ -70,6 +70,8 @@ class RunProfile:
     max_running: int = 0
     decode_tokens: int = 0  # one-token decode chunks run (SchedulerStats)
     jump_chunk_tokens: int = 0  # sampled + jump-forward tokens run as one chunk (SchedulerStats)
+    tail_copies: int = 0  # KV blocks copied instead of computing their tokens (SchedulerStats)
+    copied_tokens: int = 0  # the tokens those copies carried
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -182,6 +184,7 @@ class NativeBackend:
                 capture=self.paths.graphs == "capture",
                 ops=self.ops,
                 fused_store=self.paths.fused_store,
+                invariant=self.paths.invariant,
             )
         return self._graphs
 
@@ -215,6 +218,8 @@ class _NativeSteps:
             # every layer slides: blocks that left the window go back to the pool (a model
             # that also has full-attention layers keeps every block for those)
             window=windows.pop() if len(windows) == 1 else None,
+            # the invariant kernels read keys in whole blocks from position 0
+            copy_tails=paths.invariant,
         )
         self.builder = StepBuilder(
             block_size=backend.block_size,
@@ -275,7 +280,7 @@ class _NativeSteps:
             regions = TimedOps(backend.ops, ops)
         started = step_started = time.perf_counter()
         chunks = scheduler.schedule()
-        plan = self.builder.plan(chunks)
+        plan = self.builder.plan(chunks, scheduler.copies)
         host = time.perf_counter() - started
         profile.schedule += host
         started = time.perf_counter()
@@ -313,6 +318,9 @@ class _NativeSteps:
         tensors is host work: its seconds are left in ``upload_seconds`` for the caller."""
         graphs = self.graphs
         self.upload_seconds = 0.0  # building the eager step's device tensors (host work)
+        if plan.copies is not None:  # tail copies: before any layer reads or writes them
+            copies = kernels.device_tensor(plan.copies, self.backend.device)
+            kernels.copy_blocks(self.implementation, [*self.k_cache, *self.v_cache], copies)
         if graphs is not None and graphs.accepts(plan):  # a decode step: replayed
             self.profile.graph_steps += 1
             return graphs.logits(plan, patch)
@@ -396,3 +404,4 @@ class _NativeSteps:
         profile.max_running = stats.max_running
         profile.decode_tokens = stats.decode_tokens
         profile.jump_chunk_tokens = stats.jump_chunk_tokens
+        profile.tail_copies, profile.copied_tokens = stats.tail_copies, stats.copied_tokens

@@ -23,6 +23,13 @@ per chain level the segment capacity, table width, work capacity, tile shape and
 recorded lazily, at a key's first step: a warm-up run on a side stream (Triton compiles),
 the capture, then the replay.
 
+``invariant=True`` (``deterministic=True``: ``EnginePaths.invariant``) records the
+batch-invariant attention (``triton_attention.attend_invariant``): the step's tables and
+lengths are first aligned to its softmax steps on the host (``kernels.layout.
+align_step_keys``, the blocks a row carries from one level into the next item's table),
+its work items have no key splits, and every level takes the one fixed tile shape
+(``invariant_config``), so a row's attention has the same bits in every bucket and batch.
+
 ``capture=False`` runs the same static buffers eagerly at every step (``cuda_graphs="on"``
 with ``kernels="triton"`` under the Triton interpreter): the CPU path of the tests, which
 checks the padding and the static layout against the eager engine and Hugging Face.
@@ -38,6 +45,7 @@ import torch
 from llm_operator import kernels
 from llm_operator.engine.native.overlap import patch_input_ids
 from llm_operator.engine.native.step_builder import HostStep, LayerAttention
+from llm_operator.kernels import layout as kernel_layout
 from llm_operator.kernels import triton_attention as triton_kernels
 from llm_operator.models.fused import EAGER_OPS, FusedOps
 from llm_operator.models.llama import LlamaModel
@@ -139,11 +147,14 @@ class DecodeGraphs:
         capture: bool,
         ops: FusedOps = EAGER_OPS,
         fused_store: bool = False,
+        invariant: bool = False,
     ) -> None:
         """ops, fused_store: the forward's elementwise regions and whether they store K/V
-        (``LlamaModel.forward``)."""
+        (``LlamaModel.forward``). invariant: record the batch-invariant attention (module
+        docstring)."""
         self.model, self.k_cache, self.v_cache = model, k_cache, v_cache
         self.ops, self.fused_store = ops, fused_store
+        self.invariant = invariant
         self.buckets = buckets(max_rows)
         self.block_size, self.pool_blocks, self.capture = block_size, pool_blocks, capture
         parameter = next(model.parameters())
@@ -164,37 +175,42 @@ class DecodeGraphs:
         ``tokens[indices]`` (``OverlappedSteps``)."""
         count = host.num_tokens
         rows = next(size for size in self.buckets if size >= count)
-        own_config = triton_kernels.tile_config(self.dtype, self.heads[2], 1, self.group)
-        own_items = triton_kernels.own_work(
-            host.query_start, host.context_lens, own_config[0] // self.group
-        )
+        arrays = self._arrays(host)
+        own_tables, context_lens, level_tables, level_lengths = arrays
+        heads, group = self.heads, self.group
+        if self.invariant:  # one tile shape for every launch, no key splits
+            own_config = triton_kernels.invariant_config(
+                self.dtype, heads[2], group, self.block_size
+            )
+        else:
+            own_config = triton_kernels.tile_config(self.dtype, heads[2], 1, group)
+        own_items = triton_kernels.own_work(host.query_start, context_lens, own_config[0] // group)
         level_items, level_keys = [], []
-        for level in host.levels:
-            config = triton_kernels.tile_config(self.dtype, self.heads[2], rows, self.group)
+        for level, tables, lengths in zip(host.levels, level_tables, level_lengths):
+            if self.invariant:
+                config, target = own_config, 0
+            else:
+                config = triton_kernels.tile_config(self.dtype, heads[2], rows, group)
+                target = triton_kernels._target_programs(self.device)
             items, splits = triton_kernels.prefix_work(
-                level.row_start,
-                level.lengths,
-                config[0] // self.group,
-                config[1],
-                triton_kernels._target_programs(self.device),
-                self.heads[1],
+                level.row_start, lengths, config[0] // group, config[1], target, heads[1]
             )
             level_items.append(items)
             level_keys.append(
                 _LevelKey(
-                    segments=_capacity(len(level.lengths)),
-                    width=_capacity(max(1, level.tables.shape[1])),
+                    segments=_capacity(len(lengths)),
+                    width=_capacity(max(1, tables.shape[1])),
                     work=_capacity(max(1, len(items))),
                     config=config,
                     splits=splits,
                 )
             )
-        width = _capacity(max(1, host.own_tables.shape[1]))
+        width = _capacity(max(1, own_tables.shape[1]))
         key = (rows, width, tuple(level_keys))
         static = self.graphs.get(key)
         if static is None:
             static = self.graphs[key] = self._static(rows, width, tuple(level_keys), own_config)
-        self._fill(static, host, own_items, level_items)
+        self._fill(static, host, arrays, own_items, level_items)
         static.arena.copy_(static.host, non_blocking=True)
         if patch is not None:
             patch_input_ids(static.layout.view(static.arena, "input_ids"), patch)
@@ -207,8 +223,29 @@ class DecodeGraphs:
         self.replays += 1
         return self.model.compute_logits(static.hidden[:count])
 
-    def _fill(self, static: _Static, host: HostStep, own_items, level_items) -> None:
-        """Write the step into the graph's host arena, padding past its rows and items."""
+    def _arrays(self, host: HostStep) -> tuple:
+        """(own tables, context lens, per level tables, per level lengths) of the step: the
+        host step's, or in the invariant mode aligned to its softmax steps."""
+        levels = host.levels
+        if not self.invariant:
+            return (
+                host.own_tables, host.context_lens,
+                [level.tables for level in levels], [level.lengths for level in levels],
+            )  # fmt: skip
+        aligned = kernel_layout.align_step_keys(
+            host.query_start,
+            host.own_tables,
+            host.context_lens,
+            [(level.rows, level.row_start, level.tables, level.lengths) for level in levels],
+            block_size=self.block_size,
+            step_keys=triton_kernels.invariant_step_keys(self.block_size),
+        )
+        return aligned.own_tables, aligned.context_lens, aligned.level_tables, aligned.level_lengths
+
+    def _fill(self, static: _Static, host: HostStep, arrays, own_items, level_items) -> None:
+        """Write the step into the graph's host arena, padding past its rows and items
+        (``arrays``: the step's tables and lengths, ``_arrays``)."""
+        own_tables, context_lens, level_tables, level_lengths = arrays
         layout, arena = static.layout, static.host.numpy()
         count = host.num_tokens
 
@@ -221,19 +258,20 @@ class DecodeGraphs:
         put("input_ids", host.input_ids)
         put("positions", host.positions)
         put("slots", host.slots, fill=-1)
-        put("context", host.context_lens)
+        put("context", context_lens)
         query_start = layout.view(arena, "query_start")
         query_start[: count + 1] = host.query_start
         query_start[count + 1 :] = count  # padding rows: no query rows
-        put("own_tables", host.own_tables)
+        put("own_tables", own_tables)
         put("own_work", own_items)
-        for index, (level, items) in enumerate(zip(host.levels, level_items)):
+        levels = zip(host.levels, level_tables, level_lengths, level_items)
+        for index, (level, tables, lengths, items) in enumerate(levels):
             put(f"rows{index}", level.rows, fill=-1)
             row_start = layout.view(arena, f"row_start{index}")
             row_start[: len(level.row_start)] = level.row_start
             row_start[len(level.row_start) :] = level.row_start[-1]
-            put(f"lengths{index}", level.lengths)
-            put(f"tables{index}", level.tables)
+            put(f"lengths{index}", lengths)
+            put(f"tables{index}", tables)
             put(f"work{index}", items)
 
     # -- building and recording --------------------------------------------------------
@@ -263,9 +301,7 @@ class DecodeGraphs:
             host_context_lens=(),
             **shape,
         )
-        triton_kernels.preset_plan(
-            own, config=own_config, work=view("own_work"), num_splits=1, **heads
-        )
+        self._preset(own, own_config, view("own_work"), 1, heads)
         prefixes = []
         for index, level in enumerate(levels):
             batch = kernels.PrefixBatch(
@@ -281,16 +317,19 @@ class DecodeGraphs:
                 host_lengths=(),
                 **shape,
             )
-            triton_kernels.preset_plan(
-                batch,
-                config=level.config,
-                work=view(f"work{index}"),
-                num_splits=level.splits,
-                **heads,
-            )
+            self._preset(batch, level.config, view(f"work{index}"), level.splits, heads)
             prefixes.append(batch)
-        step = kernels.AttentionStep("triton", own, prefixes, view("slots"))
+        step = kernels.AttentionStep(
+            "triton", own, prefixes, view("slots"), invariant=self.invariant
+        )
         return _Static(layout, host, arena, step)
+
+    def _preset(self, batch, config: tuple, work: torch.Tensor, splits: int, heads: dict) -> None:
+        """The static batch's launch plan (the invariant one: its tables come aligned)."""
+        if self.invariant:
+            triton_kernels.preset_invariant_plan(batch, config=config, work=work, **heads)
+        else:
+            triton_kernels.preset_plan(batch, config=config, work=work, num_splits=splits, **heads)
 
     def _forward(self, static: _Static) -> torch.Tensor:
         """The step on the static buffers: the final-normed hidden states [rows, hidden]."""

@@ -81,7 +81,7 @@ class OverlappedSteps:
             return True
         started = step_started = time.perf_counter()
         chunks = scheduler.schedule()
-        plan = steps.builder.plan(chunks)
+        plan = steps.builder.plan(chunks, scheduler.copies)
         patch = self._patch(plan) if self.guessed else None
         host = time.perf_counter() - started
         profile.schedule += host

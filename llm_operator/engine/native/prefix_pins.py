@@ -30,10 +30,22 @@ class PrefixPins(SegmentPins):
         the scheduler's last resort, for a READY leaf that no running sequence reads.
     """
 
-    def __init__(self, plan: Plan, blocks: BlockManager, chains: Chain[tuple[int, ...]]) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        blocks: BlockManager,
+        chains: Chain[tuple[int, ...]],
+        copy_tails: bool = False,
+    ) -> None:
+        """``copy_tails``: a segment's sequence starts at the block boundary before it
+        (``Scheduler(copy_tails=True)``), so it needs blocks for those tokens too."""
         super().__init__(len(plan.segments), chains)
         self.plan, self.blocks = plan, blocks
-        self.need = [blocks.blocks_for(len(segment.token_ids)) for segment in plan.segments]
+        size = blocks.block_size
+        self.need = [
+            blocks.blocks_for(len(segment.token_ids) + (segment.start % size if copy_tails else 0))
+            for segment in plan.segments
+        ]
         self.live: list[KVSequence | None] = [None] * len(plan.segments)
 
     def chain_blocks(self, chain: tuple[int, ...], *, missing_only: bool = False) -> int:

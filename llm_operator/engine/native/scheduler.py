@@ -45,6 +45,12 @@ Rules:
     evict the youngest READY leaf segment off the head request's chain (no running request
     reads it; its waiting members recompute it). Only then would a request that fits the
     pool be stuck behind pins held for others; see ``SchedulerStats.segment_evictions``.
+  - Tail copies (``copy_tails``, the batch-invariant mode, whose kernels read a row's keys
+    in whole blocks): a sequence whose chain ends ``head`` tokens into a block starts at
+    that block's boundary; its first chunk copies the chain's last block into its first
+    one (``copies``: (source, destination) blocks the runner copies before the step) and
+    computes from ``head`` on. A segment's readers read its whole blocks only. No token is
+    computed twice, and a row's keys lie in whole blocks from position 0 whatever its chain.
   - Sliding windows (``window``: a model whose every layer sees only the last ``window``
     positions): after each iteration, a sequence's blocks whose keys lie more than
     ``WINDOW_MARGIN`` positions before the window of its next query go back to the pool
@@ -102,6 +108,8 @@ class SchedulerStats:
     segment_evictions: int = 0  # last-resort unpinning of segments nobody running reads
     peak_blocks: int = 0  # most KV blocks in use at once (measured at each schedule())
     window_freed_blocks: int = 0  # blocks freed early for having left every window
+    tail_copies: int = 0  # blocks copied for ``copy_tails``
+    copied_tokens: int = 0  # tokens whose K/V those copies carried (not computed)
 
 
 class Scheduler:
@@ -118,10 +126,12 @@ class Scheduler:
         share_prefixes: bool = EngineConfig.share_prefixes,
         token_batching: bool = EngineConfig.token_batching,
         window: int | None = None,
+        copy_tails: bool = False,
     ) -> None:
         """The defaults are ``EngineConfig``'s (``from_config`` takes them from one); the
         options are checked as the engine options they come from. ``window``: the model's
-        sliding window where every layer has it (see the module docstring), else None."""
+        sliding window where every layer has it; ``copy_tails``: sequences start on block
+        boundaries (see the module docstring)."""
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a Plan, got {type(plan).__name__}")
         if not isinstance(blocks, BlockManager):
@@ -145,6 +155,8 @@ class Scheduler:
         if self.window is not None:
             chunk = min(self.window, max_batched_tokens)
             self.window_blocks = blocks.blocks_for(self.window + WINDOW_MARGIN + chunk) + 1
+        self.copy_tails = boolean("copy_tails", copy_tails)
+        self.copies: list[tuple[int, int]] = []  # this iteration's (source, destination) blocks
         self._wave_open = True
         self.rejected: list[tuple[int, str]] = []
         self.stats = SchedulerStats()
@@ -154,7 +166,7 @@ class Scheduler:
             if chain and request.prefix_length == len(request.token_ids):
                 chain = chain[:-1]  # entirely shared prompt: prefill the last segment itself
             self._chains.append(chain)
-        self._pins = PrefixPins(plan, blocks, self._chains)
+        self._pins = PrefixPins(plan, blocks, self._chains, self.copy_tails)
         self._waiting: deque[KVSequence] = deque()  # preempted first, then fresh in plan order
         self._next_request = 0  # plan cursor: requests before it have a KVSequence
         self._running: list[KVSequence] = []  # arrival order
@@ -202,8 +214,10 @@ class Scheduler:
         return list(self._pins.ready(segment_id).blocks)
 
     def segment_length(self, segment_id: int) -> int:
-        """Own tokens of a READY segment."""
-        return len(self._pins.ready(segment_id).tokens)
+        """Own tokens of a READY segment its readers read (with ``copy_tails``: those in
+        whole blocks)."""
+        length = len(self._pins.ready(segment_id).tokens)
+        return length - length % self.blocks.block_size if self.copy_tails else length
 
     def schedule(self) -> list[ScheduledChunk]:
         """The next iteration's chunks; at least one while not ``done``."""
@@ -215,6 +229,7 @@ class Scheduler:
                 f"request {seq.ref} was sampled but neither append_token nor finish was called"
             )
         chunks: list[ScheduledChunk] = []
+        self.copies = []
         while not self.done:
             if chunks := self._build_iteration():
                 break
@@ -365,7 +380,7 @@ class Scheduler:
         """The next chunk of a running sequence, limited by budget and free blocks; no preemption."""
         if not all(self._pins.is_ready(segment_id) for segment_id in seq.chain):
             return None
-        start = seq.num_computed
+        start = seq.num_computed or seq.head
         length = min(len(seq.tokens) - start, budget)
         if self.window is not None:  # a window's worth at a time: its blocks stay few
             length = min(length, self.window)
@@ -376,8 +391,26 @@ class Scheduler:
                 self._cover(seq, start + length)
         if length <= 0:
             return None
+        if seq.num_computed < start:  # the head's K/V: a copy of the chain's last block
+            self._copy_head(seq)
         end = start + length
         return ScheduledChunk(seq, start, length, seq.kind is REQUEST and end == len(seq.tokens))
+
+    def _copy_head(self, seq: KVSequence) -> None:
+        size = self.blocks.block_size
+        parent = self._pins.ready(seq.chain[-1])
+        assert len(parent.tokens) % size == seq.head, "a head is its chain's partial block"
+        self.copies.append((parent.blocks[len(parent.tokens) // size], seq.blocks[0]))
+        seq.num_computed = seq.head
+        self.stats.tail_copies += 1
+        self.stats.copied_tokens += seq.head
+
+    def _start(self, prefix: int, has_chain: bool) -> int:
+        """Where a sequence whose chain ends at ``prefix`` starts: there, or with
+        ``copy_tails`` at the block boundary before it."""
+        if self.copy_tails and has_chain:
+            return prefix - prefix % self.blocks.block_size
+        return prefix
 
     # ------------------------------------------------------------------ admission
 
@@ -394,17 +427,19 @@ class Scheduler:
         chain = self._chains[self._next_request]
         self._next_request += 1
         prefix = self.plan.segments[chain[-1]].end if chain else 0
-        tokens = [int(token) for token in request.token_ids[prefix:]]
-        assert tokens, f"request {request.request_id} has no own token to sample from"
+        start = self._start(prefix, bool(chain))
+        tokens = [int(token) for token in request.token_ids[start:]]
+        assert len(tokens) > prefix - start, f"request {request.request_id} has no own token"
         sequence = KVSequence.waiting(
             next(self._seq_ids),
             REQUEST,
             request.request_id,
             chain,
-            prefix,
+            start,
             tokens,
             request.max_tokens,
         )
+        sequence.head = prefix - start
         self._waiting.append(sequence)
 
     def _never_fits(self, seq: KVSequence) -> str | None:
@@ -458,13 +493,16 @@ class Scheduler:
         assert self._waiting[0] is seq, "only the head of the waiting queue is admitted"
         self._waiting.popleft()
         started = []
+        prompt = self.plan.requests[seq.ref].token_ids
         for index, segment_id in enumerate(seq.chain):
             if self._pins.live[segment_id] is None:
                 segment = self.plan.segments[segment_id]
+                start = self._start(segment.start, index > 0)
                 segment_seq = KVSequence.waiting(
-                    next(self._seq_ids), SEGMENT, segment_id, seq.chain[:index], segment.start,
-                    list(segment.token_ids), 0,
+                    next(self._seq_ids), SEGMENT, segment_id, seq.chain[:index], start,
+                    [int(t) for t in prompt[start : segment.end]], 0,
                 )  # fmt: skip
+                segment_seq.head = segment.start - start
                 segment_seq.blocks = self.blocks.allocate(self._pins.need[segment_id])
                 self._pins.pin(segment_seq)
                 started.append(segment_seq)

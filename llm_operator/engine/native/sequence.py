@@ -5,6 +5,11 @@ Positions of a sequence (region map):
     [ chain segments' own tokens, outermost first | own tokens 0 .. len(tokens)-1 ]
       0 .. prefix_length-1: K/V in each READY       prefix_length + i: K/V of own token i in
       segment's own blocks (read-only, pinned)     blocks[i // block_size], slot i % block_size
+
+With tail copies (the batch-invariant mode), every sequence starts on a block boundary: a
+sequence whose chain ends inside a block takes that block's tokens as its first ``head`` own
+tokens, their K/V copied from the segment's last block, and a segment's readers see only its
+whole blocks (the partial one lives on in each reader's copy).
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ class KVSequence:
     arrival: int  # admission order, renewed on re-admission; -1 before the first
     prompt_length: int  # own prompt tokens; tokens[prompt_length:] were generated
     status: Status = WAITING
+    # own tokens 0 .. head-1 repeat the chain's last partial block (``Scheduler(copy_tails=
+    # True)``): their K/V are copied from that block, never computed
+    head: int = 0
     peak: int = 0  # the most own tokens ever computed (a preempted request recomputes below)
     jump_end: int = 0  # own tokens up to the last jump-forward token appended (0: none)
     # the step builder's copy of ``blocks`` (``StepBuilder``): its row of the host block

@@ -62,6 +62,8 @@ class HostStep:
     chains: list[tuple[int, ...]]  # distinct non-empty chains
     chain_ids: np.ndarray  # [chunks] index into chains, -1 for none
     levels: list[SegmentLevel]  # one per chain level
+    # [n, 2] int64 (source, destination) KV blocks to copy before the step (tail copies)
+    copies: np.ndarray | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -194,9 +196,11 @@ class StepBuilder:
         """``to_device(plan(chunks))``."""
         return self.to_device(self.plan(chunks))
 
-    def plan(self, chunks: Sequence[ScheduledChunk]) -> HostStep:
+    def plan(
+        self, chunks: Sequence[ScheduledChunk], copies: Sequence[tuple[int, int]] = ()
+    ) -> HostStep:
         """The step's token-packed inputs and attention layout on the host (see the module
-        docstring)."""
+        docstring); ``copies``: the scheduler's block copies to make before it."""
         count = len(chunks)
         # one comprehension per field: a thousand decode rows cost ~0.1 ms a field
         seqs = [chunk[0] for chunk in chunks]
@@ -253,6 +257,7 @@ class StepBuilder:
             chains=chains,
             chain_ids=chain_array,
             levels=self._levels(chains, chain_array, query_start),
+            copies=np.array(copies, dtype=np.int64).reshape(-1, 2) if copies else None,
         )
 
     def to_device(self, host: HostStep) -> StepBatch:
