@@ -56,7 +56,15 @@ RECORD_FIELDS = (
     "gflop_per_second",
     "rate_fraction",
 )
-WORKLOADS = ("etl-fewshot", "doc-qa", "table-rows", "no-sharing", "long-answers", "classify")
+WORKLOADS = (
+    "etl-fewshot",
+    "doc-qa",
+    "table-rows",
+    "short-rows",
+    "no-sharing",
+    "long-answers",
+    "classify",
+)
 LABELLED = ("classify",)
 
 
