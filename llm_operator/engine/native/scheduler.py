@@ -405,12 +405,10 @@ class Scheduler:
         self.stats.tail_copies += 1
         self.stats.copied_tokens += seq.head
 
-    def _start(self, prefix: int, has_chain: bool) -> int:
-        """Where a sequence whose chain ends at ``prefix`` starts: there, or with
-        ``copy_tails`` at the block boundary before it."""
-        if self.copy_tails and has_chain:
-            return prefix - prefix % self.blocks.block_size
-        return prefix
+    def _start(self, prefix: int) -> int:
+        """Where a sequence whose chain ends at ``prefix`` (0: no chain) starts: there, or
+        with ``copy_tails`` at the block boundary before it."""
+        return prefix - prefix % self.blocks.block_size if self.copy_tails else prefix
 
     # ------------------------------------------------------------------ admission
 
@@ -427,7 +425,7 @@ class Scheduler:
         chain = self._chains[self._next_request]
         self._next_request += 1
         prefix = self.plan.segments[chain[-1]].end if chain else 0
-        start = self._start(prefix, bool(chain))
+        start = self._start(prefix)
         tokens = [int(token) for token in request.token_ids[start:]]
         assert len(tokens) > prefix - start, f"request {request.request_id} has no own token"
         sequence = KVSequence.waiting(
@@ -497,7 +495,7 @@ class Scheduler:
         for index, segment_id in enumerate(seq.chain):
             if self._pins.live[segment_id] is None:
                 segment = self.plan.segments[segment_id]
-                start = self._start(segment.start, index > 0)
+                start = self._start(segment.start)
                 segment_seq = KVSequence.waiting(
                     next(self._seq_ids), SEGMENT, segment_id, seq.chain[:index], start,
                     [int(t) for t in prompt[start : segment.end]], 0,
