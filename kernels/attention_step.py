@@ -136,6 +136,4 @@ class AttentionStep:
         parts = [module.own_attention(q, k_cache, v_cache, self.own, scale, softcap)]
         for batch in self.prefixes:
             parts.append(module.prefix_attention(q, k_cache, v_cache, batch, scale, softcap))
-        if len(parts) == 1:
-            return parts[0].out
-        return module.merge_attention_states(parts).out
+        return parts[0].out if len(parts) == 1 else module.merge_attention_states(parts).out

@@ -83,15 +83,8 @@ def cpu_identity() -> str:
 
 
 def library_name() -> str:
-    identity = "\n".join(
-        [
-            SOURCE.read_text(),
-            " ".join(build_flags()),
-            torch.__version__,
-            sys.version.split()[0],
-            cpu_identity(),
-        ]
-    )
+    parts = (SOURCE.read_text(), " ".join(build_flags()), torch.__version__, sys.version.split()[0])
+    identity = "\n".join([*parts, cpu_identity()])
     return "llm_operator_cpu_" + hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 

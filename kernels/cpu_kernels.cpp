@@ -1,4 +1,4 @@
-// Compiled CPU kernels of the native engine (built once per machine by cpu_build.py).
+// Compiled CPU kernels of the native engine (built once per machine by cpu_extension.py).
 //
 // Three operations, each with a torch reference that is its fallback and its test oracle:
 //
@@ -15,8 +15,7 @@
 //   k_cache [num_kv_heads, num_blocks, head_dim, block_size]   K transposed per block, so
 //           16 keys of one dimension are one vector (scores for 16 keys = FMAs, no shuffles)
 //   v_cache [num_kv_heads, num_blocks, block_size, head_dim]
-// KV head first: one head's consecutive blocks are one contiguous stream, which the
-// hardware prefetchers follow (blocks interleaved by head were read at a third the speed).
+// KV head first: one head's consecutive blocks are one contiguous stream for the prefetchers.
 //
 // Plain C++ loops over 16 lanes with `omp simd`: the compiler (-O3 -march=native) turns them
 // into AVX-512 or AVX2 code. Floats are fp32 or bf16 (raw uint16 bits); arithmetic is fp32.
@@ -33,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -41,8 +41,7 @@ constexpr int LANES = 16;  // one 512-bit vector of fp32
 // Rows of x (linear) or query vectors (attention) sharing one weight or key load: their
 // accumulators must fit the vector registers (32 with AVX-512; 16 with AVX2, where a
 // 16-lane vector takes two: 6 rows are 12 accumulators, with the two weight halves and the
-// broadcast 15). 16 rows a tile measured slower than 8 with AVX-512; with AVX2, 6 rows ran
-// a prefill GEMM at 1.3-1.6x 4 rows' speed, on par with aten's.
+// broadcast 15). The fastest tiles measured.
 #if defined(__AVX512F__)
 constexpr int LINEAR_TILE = 8;
 constexpr int TILE_QUERIES = 8;
@@ -50,15 +49,46 @@ constexpr int TILE_QUERIES = 8;
 constexpr int LINEAR_TILE = 6;
 constexpr int TILE_QUERIES = 4;
 #endif
-// case n: for n = 1..16, as a statement list (dispatch to a template of a tile size)
-#define FOR_TILE_SIZES(CASE) \
-  CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) \
-  CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 using bf16_bits = uint16_t;
 // small helpers called inside vectorized loops: inlined, or the loops stay scalar
 #define ALWAYS_INLINE inline __attribute__((always_inline))
+
+// run(std::integral_constant<int, rows>{}): one template instance per tile size 1..MAX
+template <int MAX, typename F>
+ALWAYS_INLINE void with_rows(int rows, F&& run) {
+  static_assert(MAX <= 8, "with_rows: tiles of up to 8 rows");
+  switch (rows) {
+#define TILE_CASE(n) \
+  case n:            \
+    if constexpr (n <= MAX) return run(std::integral_constant<int, n>{}); \
+    break;
+    TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6) TILE_CASE(7)
+    TILE_CASE(8)
+#undef TILE_CASE
+  }
+  TORCH_CHECK(false, "a tile of ", rows, " rows, not 1..", MAX);
+}
+
+template <typename T>  // T: [const] float (dtype checked) or bf16_bits
+T* data_of(const at::Tensor& t) {
+  if constexpr (std::is_same_v<std::remove_const_t<T>, float>)
+    return t.data_ptr<float>();
+  else
+    return reinterpret_cast<T*>(t.data_ptr());
+}
+
+// run(static_cast<T*>(nullptr)) for t's dtype T: float or bf16_bits; else the error message
+template <typename F, typename... Message>
+void dispatch_dtype(const at::Tensor& t, F&& run, const Message&... message) {
+  if (t.scalar_type() == at::kFloat) {
+    run(static_cast<float*>(nullptr));
+  } else {
+    TORCH_CHECK(t.scalar_type() == at::kBFloat16, message...);
+    run(static_cast<bf16_bits*>(nullptr));
+  }
+}
 
 ALWAYS_INLINE float load_float(const float* p) { return *p; }
 ALWAYS_INLINE float load_float(const bf16_bits* p) {
@@ -81,11 +111,9 @@ ALWAYS_INLINE void store_float(bf16_bits* p, float value) {
   *p = static_cast<bf16_bits>(bits >> 16);
 }
 
-// exp(x): Cephes' expf reduction and polynomial, branch-free so that loops over it
-// vectorize; about 1 ulp. 0 below -87 (and for -inf), +inf above 88.5.
-ALWAYS_INLINE float exp_any(float x) {
-  const float clamped = std::min(std::max(x, -87.0f), 88.5f);
-  const float n = std::nearbyint(clamped * 1.44269504088896341f);
+// Cephes' expf reduction and polynomial, branch-free so that loops over it vectorize (about
+// 1 ulp): exp(clamped - n ln 2), n = round(clamped / ln 2).
+ALWAYS_INLINE float exp_reduced(float clamped, float n) {
   float r = clamped - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -94,7 +122,14 @@ ALWAYS_INLINE float exp_any(float x) {
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  return p * r * r + r + 1.0f;
+}
+
+// exp(x): 0 below -87 (and for -inf), +inf above 88.5.
+ALWAYS_INLINE float exp_any(float x) {
+  const float clamped = std::min(std::max(x, -87.0f), 88.5f);
+  const float n = std::nearbyint(clamped * 1.44269504088896341f);
+  const float p = exp_reduced(clamped, n);
   // 2^n in two factors, so n up to 128 (x near 88.7) does not overflow the exponent field
   const int32_t half = static_cast<int32_t>(n) >> 1;
   const int32_t first = (half + 127) << 23, second = (static_cast<int32_t>(n) - half + 127) << 23;
@@ -109,26 +144,16 @@ ALWAYS_INLINE float exp_any(float x) {
 ALWAYS_INLINE float exp_nonpositive(float x) {
   const float clamped = std::max(x, -87.0f);
   const float n = std::nearbyint(clamped * 1.44269504088896341f);
-  float r = clamped - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  const float p = exp_reduced(clamped, n);
   const int32_t exponent = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &exponent, sizeof(scale));
   return x < -87.0f ? 0.0f : p * scale;
 }
 
-// 16 fp32 lanes as a GCC vector: one zmm register with AVX-512. Vector types keep
-// accumulators in registers (plain arrays were sometimes spilled to the stack). Without
-// AVX-512 a 64-byte GCC vector is lowered through the stack, every operation a copy (the
-// packed linear ran at 4.5 GFLOP/s on a 2-core AMD EPYC without AVX-512, 20x slower than
-// aten): there the hot tiles below take two __m256 per 16 lanes instead (LANE_PAIRS).
+// 16 fp32 lanes as a GCC vector (one zmm register with AVX-512), which keeps accumulators in
+// registers. Without AVX-512 it is lowered through the stack, every operation a copy: there
+// the hot tiles below take two __m256 per 16 lanes instead (Lanes).
 typedef float vec16 __attribute__((vector_size(64), aligned(4)));
 typedef uint16_t vec16_u16 __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t vec16_u32 __attribute__((vector_size(64), aligned(4)));
@@ -148,99 +173,76 @@ ALWAYS_INLINE vec16 load16(const bf16_bits* p) {
 }
 ALWAYS_INLINE void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
 
+// Lanes: the 16 fp32 lanes of the hot tiles' accumulators; lanes_fma(s, v, acc) = acc + s * v
+// with one rounding.
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#define LANE_PAIRS 1
 ALWAYS_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 ALWAYS_INLINE __m256 load8(const bf16_bits* p) {  // 8 bf16 widened to fp32
   const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
+struct Lanes {
+  __m256 lo, hi;
+};
+ALWAYS_INLINE Lanes lanes_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+template <typename T>
+ALWAYS_INLINE Lanes lanes_load(const T* p) {
+  return {load8(p), load8(p + 8)};
+}
+ALWAYS_INLINE Lanes lanes_fma(float s, Lanes v, Lanes acc) {
+  const __m256 b = _mm256_set1_ps(s);
+  return {_mm256_fmadd_ps(b, v.lo, acc.lo), _mm256_fmadd_ps(b, v.hi, acc.hi)};
+}
+ALWAYS_INLINE Lanes lanes_scale(Lanes v, float s) {
+  const __m256 b = _mm256_set1_ps(s);
+  return {_mm256_mul_ps(v.lo, b), _mm256_mul_ps(v.hi, b)};
+}
+ALWAYS_INLINE void lanes_store(float* p, Lanes v) {
+  _mm256_storeu_ps(p, v.lo);
+  _mm256_storeu_ps(p + 8, v.hi);
+}
+#define UNROLL_PAIRS _Pragma("GCC unroll 16")  // each row's two FMAs, unrolled over the rows
 #else
-#define LANE_PAIRS 0
+using Lanes = vec16;
+ALWAYS_INLINE Lanes lanes_zero() { return vec16{}; }
+template <typename T>
+ALWAYS_INLINE Lanes lanes_load(const T* p) {
+  return load16(p);
+}
+ALWAYS_INLINE Lanes lanes_fma(float s, Lanes v, Lanes acc) { return acc + s * v; }
+ALWAYS_INLINE Lanes lanes_scale(Lanes v, float s) { return v * s; }
+ALWAYS_INLINE void lanes_store(float* p, Lanes v) { store16(p, v); }
+#define UNROLL_PAIRS
 #endif
 
 // ------------------------------------------------------------------ packed linear
 
 // out[m][n0 + j] = sum_k x[m][k] * w[k][j] (+ bias[n0 + j]) for one 16-column block
 // w [K][16], M rows of x and the block's first `width` columns.
-// Bytes ahead of the weight stream a tile of 8+ rows prefetches (into the next block at the
-// end of one): with as much arithmetic as memory traffic (8-32 rows) the two then overlap,
-// 5-10% faster on an AMD EPYC; fewer rows are memory-bound and run faster without it.
+// Bytes ahead of the weight stream a tile prefetches when its rows make as much arithmetic as
+// memory traffic (fewer rows are memory-bound and run faster without it).
 constexpr int64_t PREFETCH_BYTES = 4096;
 
+// Not inlined: in the caller its accumulators were spilled (AVX2 has 16 vector registers).
 template <int M, typename W, typename T>
-inline void linear_block(const float* __restrict x, int64_t K, const W* __restrict w,
-                         const float* bias, int64_t n0, int width, T* __restrict out, int64_t N,
-                         bool prefetch) {
-#if LANE_PAIRS
-  __m256 lo[M], hi[M];
-  for (int m = 0; m < M; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
+__attribute__((noinline)) void linear_block(const float* __restrict x, int64_t K,
+                                            const W* __restrict w, const float* bias, int64_t n0,
+                                            int width, T* __restrict out, int64_t N,
+                                            bool prefetch) {
+  Lanes sums[M];
+  for (int m = 0; m < M; ++m) sums[m] = lanes_zero();
   for (int64_t k = 0; k < K; ++k) {
     if (prefetch) __builtin_prefetch(reinterpret_cast<const char*>(w + k * LANES) + PREFETCH_BYTES);
-    const __m256 w0 = load8(w + k * LANES), w1 = load8(w + k * LANES + 8);
-#pragma GCC unroll 16
-    for (int m = 0; m < M; ++m) {
-      const __m256 s = _mm256_set1_ps(x[m * K + k]);
-      lo[m] = _mm256_fmadd_ps(s, w0, lo[m]);
-      hi[m] = _mm256_fmadd_ps(s, w1, hi[m]);
-    }
+    const Lanes weights = lanes_load(w + k * LANES);
+    UNROLL_PAIRS
+    for (int m = 0; m < M; ++m) sums[m] = lanes_fma(x[m * K + k], weights, sums[m]);
   }
-#else
-  vec16 sums[M];
-  for (int m = 0; m < M; ++m) sums[m] = vec16{};
-  for (int64_t k = 0; k < K; ++k) {
-    if (prefetch) __builtin_prefetch(reinterpret_cast<const char*>(w + k * LANES) + PREFETCH_BYTES);
-    const vec16 weights = load16(w + k * LANES);
-    for (int m = 0; m < M; ++m) sums[m] += x[m * K + k] * weights;
-  }
-#endif
   for (int m = 0; m < M; ++m) {
     float row[LANES];
-#if LANE_PAIRS
-    _mm256_storeu_ps(row, lo[m]);
-    _mm256_storeu_ps(row + 8, hi[m]);
-#else
-    store16(row, sums[m]);
-#endif
+    lanes_store(row, sums[m]);
     T* dst = out + m * N + n0;
     for (int j = 0; j < width; ++j) store_float(dst + j, bias ? row[j] + bias[n0 + j] : row[j]);
   }
-}
-
-template <typename W, typename T>
-void linear_rows(int rows, const float* x, int64_t K, const W* w, const float* bias,
-                 int64_t n0, int width, T* out, int64_t N, bool prefetch) {
-  switch (rows) {
-#define LINEAR_CASE(n)                                                    \
-  case n:                                                                 \
-    if constexpr (n <= LINEAR_TILE) linear_block<n>(x, K, w, bias, n0, width, out, N, prefetch); \
-    break;
-    FOR_TILE_SIZES(LINEAR_CASE)
-#undef LINEAR_CASE
-    default: TORCH_CHECK(false, "linear_rows: rows must be 1..", LINEAR_TILE);
-  }
-}
-
-template <typename T>
-void packed_linear_impl(const float* x, int64_t M, int64_t K, const T* packed, int64_t blocks,
-                        const float* bias, T* out, int64_t N) {
-  // Each task takes whole 16-column blocks; a block's weights (K * 16 values) are read once
-  // from memory and reused from cache by every tile of 8 rows.
-  const int64_t block_bytes = K * LANES * static_cast<int64_t>(sizeof(T));
-  const int64_t grain =
-      std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, block_bytes * M));
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; ++block) {
-      const T* w = packed + block * K * LANES;
-      const int64_t n0 = block * LANES;
-      const int width = static_cast<int>(std::min<int64_t>(LANES, N - n0));
-      for (int64_t m0 = 0; m0 < M; m0 += LINEAR_TILE) {
-        const int rows = static_cast<int>(std::min<int64_t>(LINEAR_TILE, M - m0));
-        linear_rows(rows, x + m0 * K, K, w, bias, n0, width, out + m0 * N, N,
-                    m0 == 0 && M >= TILE_QUERIES);
-      }
-    }
-  });
 }
 
 // bf16 weights on CPUs with AVX512-BF16: packed as pairs of consecutive k,
@@ -250,11 +252,12 @@ void packed_linear_impl(const float* x, int64_t M, int64_t K, const T* packed, i
 #if defined(__AVX512BF16__)
 constexpr bool BF16_PAIRS = true;
 
-// out[m][n0 + j] = sum_k x[m][k] * w[k][j] (+ bias) for M rows of bf16 pairs x [M][K2]
+// as above, for M rows of bf16 pairs x [M][pairs]
 template <int M>
-inline void linear_block_pairs(const uint32_t* __restrict x, int64_t pairs,
-                               const uint32_t* __restrict w, const float* bias, int64_t n0,
-                               int width, bf16_bits* __restrict out, int64_t N, bool prefetch) {
+__attribute__((noinline)) void linear_block(const uint32_t* __restrict x, int64_t pairs,
+                                            const uint32_t* __restrict w, const float* bias,
+                                            int64_t n0, int width, bf16_bits* __restrict out,
+                                            int64_t N, bool prefetch) {
   __m512 sums[M];
   for (int m = 0; m < M; ++m) sums[m] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
@@ -270,43 +273,34 @@ inline void linear_block_pairs(const uint32_t* __restrict x, int64_t pairs,
     for (int j = 0; j < width; ++j) store_float(dst + j, bias ? row[j] + bias[n0 + j] : row[j]);
   }
 }
+#else
+constexpr bool BF16_PAIRS = false;
+#endif
 
-void linear_rows_pairs(int rows, const uint32_t* x, int64_t pairs, const uint32_t* w,
-                       const float* bias, int64_t n0, int width, bf16_bits* out, int64_t N,
-                       bool prefetch) {
-  switch (rows) {
-#define PAIRS_CASE(n)                                                                    \
-  case n:                                                                                \
-    if constexpr (n <= LINEAR_TILE)                                                      \
-      linear_block_pairs<n>(x, pairs, w, bias, n0, width, out, N, prefetch);             \
-    break;
-    FOR_TILE_SIZES(PAIRS_CASE)
-#undef PAIRS_CASE
-    default: TORCH_CHECK(false, "linear_rows_pairs: rows must be 1..", LINEAR_TILE);
-  }
-}
-
-void packed_linear_pairs(const uint32_t* x, int64_t M, int64_t pairs, const uint32_t* packed,
-                         int64_t blocks, const float* bias, bf16_bits* out, int64_t N) {
-  const int64_t block_bytes = pairs * LANES * 4;
+// x [M, K] @ W^T: each task takes whole 16-column blocks of packed [blocks][K][16]; a
+// block's weights are read once from memory and reused from cache by every tile of rows.
+// X, W: fp32 rows and fp32 or bf16 weights, or (AVX512-BF16) bf16 pairs of k for both.
+template <typename X, typename W, typename T>
+void packed_linear_impl(const X* x, int64_t M, int64_t K, const W* packed, int64_t blocks,
+                        const float* bias, T* out, int64_t N) {
+  const int64_t block_bytes = K * LANES * static_cast<int64_t>(sizeof(W));
   const int64_t grain =
       std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, block_bytes * M));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
-      const uint32_t* w = packed + block * pairs * LANES;
+      const W* w = packed + block * K * LANES;
       const int64_t n0 = block * LANES;
       const int width = static_cast<int>(std::min<int64_t>(LANES, N - n0));
       for (int64_t m0 = 0; m0 < M; m0 += LINEAR_TILE) {
         const int rows = static_cast<int>(std::min<int64_t>(LINEAR_TILE, M - m0));
-        linear_rows_pairs(rows, x + m0 * pairs, pairs, w, bias, n0, width, out + m0 * N, N,
+        with_rows<LINEAR_TILE>(rows, [&](auto R) {
+          linear_block<R>(x + m0 * K, K, w, bias, n0, width, out + m0 * N, N,
                           m0 == 0 && M >= TILE_QUERIES);
+        });
       }
     }
   });
 }
-#else
-constexpr bool BF16_PAIRS = false;
-#endif
 
 // W [N, K] in the layout packed_linear reads (see above): [ceil(N / 16), K, 16], or for
 // bf16 with AVX512-BF16 [ceil(N / 16), ceil(K / 2), 16, 2]; zero-padded.
@@ -315,15 +309,12 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
               "pack_linear_weight: float32 or bfloat16 only");
   const int64_t N = weight.size(0), K = weight.size(1), blocks = (N + LANES - 1) / LANES;
-  if (weight.scalar_type() == at::kBFloat16 && BF16_PAIRS) {
-    const int64_t pairs = (K + 1) / 2;
-    at::Tensor padded = at::zeros({blocks * LANES, pairs * 2}, weight.options());
-    padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
-    // [blocks, 16, pairs, 2] -> [blocks, pairs, 16, 2]
-    return padded.view({blocks, LANES, pairs, 2}).permute({0, 2, 1, 3}).contiguous();
-  }
-  at::Tensor padded = at::zeros({blocks * LANES, K}, weight.options());
-  padded.narrow(0, 0, N).copy_(weight);
+  const bool pairs = weight.scalar_type() == at::kBFloat16 && BF16_PAIRS;
+  const int64_t width = pairs ? (K + 1) / 2 * 2 : K;
+  at::Tensor padded = at::zeros({blocks * LANES, width}, weight.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
+  if (pairs)  // [blocks, 16, pairs, 2] -> [blocks, pairs, 16, 2]
+    return padded.view({blocks, LANES, width / 2, 2}).permute({0, 2, 1, 3}).contiguous();
   return padded.view({blocks, LANES, K}).transpose(1, 2).contiguous();
 }
 
@@ -346,8 +337,8 @@ void run_linear(const T* x, int64_t M, int64_t K, const at::Tensor& packed, cons
           std::memcpy(x_pairs.data() + m * pairs, x + m * K, K * sizeof(bf16_bits));
         xp = x_pairs.data();
       }
-      packed_linear_pairs(xp, M, pairs, reinterpret_cast<const uint32_t*>(packed.data_ptr()),
-                          packed.size(0), bias, out, N);
+      packed_linear_impl(xp, M, pairs, reinterpret_cast<const uint32_t*>(packed.data_ptr()),
+                         packed.size(0), bias, out, N);
       return;
     }
 #endif
@@ -361,8 +352,8 @@ void run_linear(const T* x, int64_t M, int64_t K, const at::Tensor& packed, cons
     for (int64_t i = 0; i < M * K; ++i) x32[i] = load_float(x + i);
     x_float = x32.data();
   }
-  packed_linear_impl<T>(x_float, M, K, reinterpret_cast<const T*>(packed.data_ptr()),
-                        packed.size(0), bias, out, N);
+  packed_linear_impl(x_float, M, K, reinterpret_cast<const T*>(packed.data_ptr()),
+                     packed.size(0), bias, out, N);
 }
 
 int64_t packed_in_features(const at::Tensor& packed) {
@@ -395,16 +386,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
   const float* bias_ptr = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   std::vector<float> x32;
   std::vector<uint32_t> x_pairs;
-  if (x.scalar_type() == at::kFloat) {
-    run_linear<float>(xc.data_ptr<float>(), M, K, packed, bias_ptr, out.data_ptr<float>(),
-                      out_features, x32, x_pairs);
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "packed_linear: float32 or bfloat16, got ",
-                x.scalar_type());
-    run_linear<bf16_bits>(reinterpret_cast<const bf16_bits*>(xc.data_ptr()), M, K, packed,
-                          bias_ptr, reinterpret_cast<bf16_bits*>(out.data_ptr()), out_features,
-                          x32, x_pairs);
-  }
+  dispatch_dtype(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    run_linear<T>(data_of<T>(xc), M, K, packed, bias_ptr, data_of<T>(out), out_features, x32,
+                  x_pairs);
+  }, "packed_linear: float32 or bfloat16, got ", x.scalar_type());
   return out;
 }
 
@@ -437,18 +423,11 @@ void store_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, con
   const int64_t dim = k_cache.size(2), block_size = k_cache.size(3);
   const int64_t tokens = k.size(0);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  if (k_cache.scalar_type() == at::kFloat) {
-    store_kv_impl<float>(k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                         k.data_ptr<float>(), v.data_ptr<float>(), slots, tokens, kv_heads,
-                         num_blocks, dim, block_size);
-  } else {
-    TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16, "store_kv: float32 or bfloat16 only");
-    store_kv_impl<bf16_bits>(reinterpret_cast<bf16_bits*>(k_cache.data_ptr()),
-                             reinterpret_cast<bf16_bits*>(v_cache.data_ptr()),
-                             reinterpret_cast<const bf16_bits*>(k.data_ptr()),
-                             reinterpret_cast<const bf16_bits*>(v.data_ptr()), slots, tokens,
-                             kv_heads, num_blocks, dim, block_size);
-  }
+  dispatch_dtype(k_cache, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    store_kv_impl<T>(data_of<T>(k_cache), data_of<T>(v_cache), data_of<T>(k), data_of<T>(v),
+                     slots, tokens, kv_heads, num_blocks, dim, block_size);
+  }, "store_kv: float32 or bfloat16 only");
 }
 
 // ------------------------------------------------------------------ paged attention
@@ -484,44 +463,28 @@ struct Partials {  // unnormalized partial softmax results, one entry per (unit 
 template <int N, typename T>
 inline void score_tile(const float* __restrict q, int64_t dim, const T* __restrict kt,
                        int64_t stride, float* __restrict scores, int64_t score_stride) {
-#if LANE_PAIRS
-  __m256 lo[N], hi[N];
-  for (int i = 0; i < N; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+  Lanes sums[N];
+  for (int i = 0; i < N; ++i) sums[i] = lanes_zero();
   for (int64_t d = 0; d < dim; ++d) {
-    const __m256 k0 = load8(kt + d * stride), k1 = load8(kt + d * stride + 8);
-#pragma GCC unroll 16
-    for (int i = 0; i < N; ++i) {
-      const __m256 s = _mm256_set1_ps(q[i * dim + d]);
-      lo[i] = _mm256_fmadd_ps(s, k0, lo[i]);
-      hi[i] = _mm256_fmadd_ps(s, k1, hi[i]);
-    }
+    const Lanes keys = lanes_load(kt + d * stride);
+    UNROLL_PAIRS
+    for (int i = 0; i < N; ++i) sums[i] = lanes_fma(q[i * dim + d], keys, sums[i]);
   }
-  for (int i = 0; i < N; ++i) {
-    _mm256_storeu_ps(scores + i * score_stride, lo[i]);
-    _mm256_storeu_ps(scores + i * score_stride + 8, hi[i]);
-  }
-#else
-  vec16 sums[N];
-  for (int i = 0; i < N; ++i) sums[i] = vec16{};
-  for (int64_t d = 0; d < dim; ++d) {
-    const vec16 keys = load16(kt + d * stride);
-    for (int i = 0; i < N; ++i) sums[i] += q[i * dim + d] * keys;
-  }
-  for (int i = 0; i < N; ++i) store16(scores + i * score_stride, sums[i]);
-#endif
+  for (int i = 0; i < N; ++i) lanes_store(scores + i * score_stride, sums[i]);
 }
 
-template <typename T>
-void score_rows(int n, const float* q, int64_t dim, const T* kt, int64_t stride, float* scores,
-                int64_t score_stride) {
-  switch (n) {
-#define SCORE_CASE(c)                                                                \
-  case c:                                                                            \
-    if constexpr (c <= TILE_QUERIES) score_tile<c>(q, dim, kt, stride, scores, score_stride); \
-    break;
-    FOR_TILE_SIZES(SCORE_CASE)
-#undef SCORE_CASE
-    default: TORCH_CHECK(false, "score_rows: 1..", TILE_QUERIES, " query vectors");
+// value_tile's head dimensions d0.. past its last whole 16 (a head_dim not a multiple of 16)
+template <int N, typename T>
+ALWAYS_INLINE void value_tail(int64_t d0, const float* __restrict weights, int64_t weight_stride,
+                              const float* __restrict correction, const T* __restrict v,
+                              int64_t dim, int keys, float* __restrict acc) {
+  for (; d0 < dim; ++d0) {
+    for (int i = 0; i < N; ++i) {
+      float sum = acc[i * dim + d0] * correction[i];
+      for (int j = 0; j < keys; ++j)
+        sum += weights[i * weight_stride + j] * load_float(v + j * dim + d0);
+      acc[i * dim + d0] = sum;
+    }
   }
 }
 
@@ -533,59 +496,33 @@ inline void value_tile(const float* __restrict weights, int64_t weight_stride,
                        int keys, float* __restrict acc) {
   int64_t d0 = 0;
   for (; d0 + LANES <= dim; d0 += LANES) {
-#if LANE_PAIRS
-    __m256 lo[N], hi[N];
-    for (int i = 0; i < N; ++i) {
-      const __m256 c = _mm256_set1_ps(correction[i]);
-      lo[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * dim + d0), c);
-      hi[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * dim + d0 + 8), c);
-    }
+    Lanes sums[N];
+    for (int i = 0; i < N; ++i)
+      sums[i] = lanes_scale(lanes_load(acc + i * dim + d0), correction[i]);
     for (int j = 0; j < keys; ++j) {
-      const __m256 v0 = load8(v + j * dim + d0), v1 = load8(v + j * dim + d0 + 8);
-#pragma GCC unroll 16
-      for (int i = 0; i < N; ++i) {
-        const __m256 s = _mm256_set1_ps(weights[i * weight_stride + j]);
-        lo[i] = _mm256_fmadd_ps(s, v0, lo[i]);
-        hi[i] = _mm256_fmadd_ps(s, v1, hi[i]);
-      }
+      const Lanes values = lanes_load(v + j * dim + d0);
+      UNROLL_PAIRS
+      for (int i = 0; i < N; ++i)
+        sums[i] = lanes_fma(weights[i * weight_stride + j], values, sums[i]);
     }
-    for (int i = 0; i < N; ++i) {
-      _mm256_storeu_ps(acc + i * dim + d0, lo[i]);
-      _mm256_storeu_ps(acc + i * dim + d0 + 8, hi[i]);
-    }
-#else
-    vec16 sums[N];
-    for (int i = 0; i < N; ++i) sums[i] = load16(acc + i * dim + d0) * correction[i];
-    for (int j = 0; j < keys; ++j) {
-      const vec16 values = load16(v + j * dim + d0);
-      for (int i = 0; i < N; ++i) sums[i] += weights[i * weight_stride + j] * values;
-    }
-    for (int i = 0; i < N; ++i) store16(acc + i * dim + d0, sums[i]);
-#endif
+    for (int i = 0; i < N; ++i) lanes_store(acc + i * dim + d0, sums[i]);
   }
-  for (; d0 < dim; ++d0) {  // a head_dim that is not a multiple of 16
-    for (int i = 0; i < N; ++i) {
-      float sum = acc[i * dim + d0] * correction[i];
-      for (int j = 0; j < keys; ++j)
-        sum += weights[i * weight_stride + j] * load_float(v + j * dim + d0);
-      acc[i * dim + d0] = sum;
-    }
-  }
+  value_tail<N>(d0, weights, weight_stride, correction, v, dim, keys, acc);
+}
+
+// The tiles of n = 1..TILE_QUERIES query vectors (called, not inlined into run_unit: faster)
+template <typename T>
+void score_rows(int n, const float* q, int64_t dim, const T* kt, int64_t stride, float* scores,
+                int64_t score_stride) {
+  with_rows<TILE_QUERIES>(
+      n, [&](auto N) { score_tile<N>(q, dim, kt, stride, scores, score_stride); });
 }
 
 template <typename T>
 void value_rows(int n, const float* weights, int64_t weight_stride, const float* correction,
                 const T* v, int64_t dim, int keys, float* acc) {
-  switch (n) {
-#define VALUE_CASE(c)                                                                    \
-  case c:                                                                                \
-    if constexpr (c <= TILE_QUERIES)                                                     \
-      value_tile<c>(weights, weight_stride, correction, v, dim, keys, acc);              \
-    break;
-    FOR_TILE_SIZES(VALUE_CASE)
-#undef VALUE_CASE
-    default: TORCH_CHECK(false, "value_rows: 1..", TILE_QUERIES, " query vectors");
-  }
+  with_rows<TILE_QUERIES>(
+      n, [&](auto N) { value_tile<N>(weights, weight_stride, correction, v, dim, keys, acc); });
 }
 
 #if defined(__AVX512BF16__)
@@ -625,20 +562,6 @@ inline void score_tile_dot(const uint32_t* __restrict q, int64_t half, const bf1
     _mm512_storeu_ps(scores + i * score_stride, _mm512_mul_ps(sums[i], factor));
 }
 
-void score_rows_dot(int n, const uint32_t* q, int64_t half, const bf16_bits* kt, int64_t stride,
-                    float* scores, int64_t score_stride, float scale) {
-  switch (n) {
-#define SCORE_DOT_CASE(c)                                                                 \
-  case c:                                                                                 \
-    if constexpr (c <= TILE_QUERIES)                                                      \
-      score_tile_dot<c>(q, half, kt, stride, scores, score_stride, scale);                \
-    break;
-    FOR_TILE_SIZES(SCORE_DOT_CASE)
-#undef SCORE_DOT_CASE
-    default: TORCH_CHECK(false, "score_rows_dot: 1..", TILE_QUERIES, " query vectors");
-  }
-}
-
 // as value_tile, the weights rounded to bf16 and V read as pairs of keys
 template <int N>
 inline void value_tile_dot(const float* __restrict weights, int64_t weight_stride,
@@ -664,43 +587,40 @@ inline void value_tile_dot(const float* __restrict weights, int64_t weight_strid
     }
     for (int i = 0; i < N; ++i) _mm512_storeu_ps(acc + i * dim + d0, sums[i]);
   }
-  for (; d0 < dim; ++d0) {  // a head_dim that is not a multiple of 16
-    for (int i = 0; i < N; ++i) {
-      float sum = acc[i * dim + d0] * correction[i];
-      for (int j = 0; j < keys; ++j)
-        sum += weights[i * weight_stride + j] * load_float(v + j * dim + d0);
-      acc[i * dim + d0] = sum;
-    }
-  }
+  value_tail<N>(d0, weights, weight_stride, correction, v, dim, keys, acc);
+}
+
+void score_rows_dot(int n, const uint32_t* q, int64_t half, const bf16_bits* kt, int64_t stride,
+                    float* scores, int64_t score_stride, float scale) {
+  with_rows<TILE_QUERIES>(n, [&](auto N) {
+    score_tile_dot<N>(q, half, kt, stride, scores, score_stride, scale);
+  });
 }
 
 void value_rows_dot(int n, const float* weights, int64_t weight_stride, const float* correction,
                     const bf16_bits* v, int64_t dim, int keys, float* acc) {
-  switch (n) {
-#define VALUE_DOT_CASE(c)                                                                \
-  case c:                                                                                \
-    if constexpr (c <= TILE_QUERIES)                                                     \
-      value_tile_dot<c>(weights, weight_stride, correction, v, dim, keys, acc);          \
-    break;
-    FOR_TILE_SIZES(VALUE_DOT_CASE)
-#undef VALUE_DOT_CASE
-    default: TORCH_CHECK(false, "value_rows_dot: 1..", TILE_QUERIES, " query vectors");
-  }
+  with_rows<TILE_QUERIES>(n, [&](auto N) {
+    value_tile_dot<N>(weights, weight_stride, correction, v, dim, keys, acc);
+  });
 }
 #endif
 
+struct StepTensors {  // one step's attention metadata, checked once
+  const int32_t* items;
+  int64_t num_items;
+  const int32_t* item_rows;
+  const int32_t* item_first;  // sliding window: see ItemField; null: none
+  std::vector<const int32_t*> tables;
+  std::vector<int64_t> table_widths;
+};
+
 template <typename T>
-struct AttentionArgs {
+struct AttentionArgs : StepTensors {
   const T* q;  // [tokens, heads, dim]
   const T* k_cache;
   const T* v_cache;
   int64_t heads, kv_heads, num_blocks, dim, block_size;
   float scale;
-  const int32_t* items;
-  const int32_t* item_rows;
-  const int32_t* item_first = nullptr;  // sliding window: see ItemField; null: none
-  std::vector<const int32_t*> tables;
-  std::vector<int64_t> table_widths;
 };
 
 // Up to SUB_TILES runs of at most 16 keys, each inside one block, form one softmax step.
@@ -758,15 +678,13 @@ void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, UnitScrat
   for (int64_t r = u.r0; r < u.r1; ++r) {
     const T* q_row = a.q + (static_cast<int64_t>(rows[r]) * a.heads + u.head * group) * dim;
     for (int64_t j = 0; j < group; ++j) {
-      float* dst = q + ((r - u.r0) * group + j) * dim;
+      const int64_t query = (r - u.r0) * group + j;
+      float* dst = q + query * dim;
       for (int64_t d = 0; d < dim; ++d) dst[d] = load_float(q_row + j * dim + d) * a.scale;
       if (use_dot)  // the raw bf16 query, dimensions 2p and 2p + 1 in one 32-bit lane
-        std::memcpy(q_pairs + ((r - u.r0) * group + j) * half, q_row + j * dim,
-                    dim * sizeof(T));
-      limit[(r - u.r0) * group + j] =
-          static_cast<float>(causal ? key_len - row_count + r + 1 : key_len);
-      low[(r - u.r0) * group + j] =
-          firsts ? static_cast<float>(std::max<int32_t>(0, firsts[r])) : 0.0f;
+        std::memcpy(q_pairs + query * half, q_row + j * dim, dim * sizeof(T));
+      limit[query] = static_cast<float>(causal ? key_len - row_count + r + 1 : key_len);
+      low[query] = firsts ? static_cast<float>(std::max<int32_t>(0, firsts[r])) : 0.0f;
     }
   }
   float* acc = out.acc.data() + u.entry * dim;
@@ -775,20 +693,21 @@ void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, UnitScrat
   std::fill(acc, acc + queries * dim, 0.0f);
   std::fill(run_max, run_max + queries, NEG_INF);
   std::fill(run_sum, run_sum + queries, 0.0f);
-  // the state index of unit query (r - r0) * group + j: token rows[r], head head * group + j
-  auto state_index = [&](int64_t query) {
-    return static_cast<int64_t>(rows[u.r0 + query / group]) * a.heads + u.head * group +
-           query % group;
-  };
-  if (carried) {
+  // carried: each query's running state copied in from out.state_* (in) or back out
+  auto carry = [&](bool in) {
     for (int64_t query = 0; query < queries; ++query) {
-      const int64_t s = state_index(query);
-      std::memcpy(acc + query * dim, out.state_acc.data() + s * dim, dim * sizeof(float));
-      run_max[query] = out.state_max[s];
-      std::memcpy(lane_sums + query * LANES, out.state_lanes.data() + s * LANES,
-                  LANES * sizeof(float));
+      // unit query (r - r0) * group + j: token rows[r], head head * group + j
+      const int64_t s = static_cast<int64_t>(rows[u.r0 + query / group]) * a.heads +
+                        u.head * group + query % group;
+      auto copy = [&](float* unit, float* state, int64_t n) {
+        std::memcpy(in ? unit : state, in ? state : unit, n * sizeof(float));
+      };
+      copy(acc + query * dim, out.state_acc.data() + s * dim, dim);
+      copy(run_max + query, out.state_max.data() + s, 1);
+      copy(lane_sums + query * LANES, out.state_lanes.data() + s * LANES, LANES);
     }
-  }
+  };
+  if (carried) carry(true);
   const int64_t visible_end = std::min<int64_t>(u.k1, static_cast<int64_t>(limit[queries - 1]));
   float scores[TILE_QUERIES][STEP_KEYS];  // row stride STEP_KEYS
   float weights[TILE_QUERIES][STEP_KEYS];
@@ -803,73 +722,66 @@ void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, UnitScrat
     int64_t stride;
     const T* values;  // [width, dim]
   } tiles[SUB_TILES];
+  struct Run {  // the keys from k: at most 16, inside one block, before visible_end
+    int width;
+    const T* keys;  // [dim, block_size] from the first
+    const T* values;  // [width, dim]
+  };
+  auto run_at = [&](int64_t k) -> Run {
+    const int64_t block = u.head * a.num_blocks + table[k / block_size], offset = k % block_size;
+    return {static_cast<int>(std::min<int64_t>({LANES, block_size - offset, visible_end - k})),
+            a.k_cache + block * dim * block_size + offset,
+            a.v_cache + (block * block_size + offset) * dim};
+  };
   for (int64_t k = u.k0; k < visible_end;) {
     int count = 0;
     for (; count < sub_tiles && k < visible_end; ++count) {
-      const int64_t block = table[k / block_size], offset = k % block_size;
-      const int width =
-          static_cast<int>(std::min<int64_t>({LANES, block_size - offset, visible_end - k}));
-      const T* k_block = a.k_cache + (u.head * a.num_blocks + block) * dim * block_size + offset;
-      SubTile& tile = tiles[count];
-      tile.first = k;
-      tile.width = width;
-      tile.values = a.v_cache + ((u.head * a.num_blocks + block) * block_size + offset) * dim;
+      const Run run = run_at(k);
       // Lanes past the tile's width read later slots of the same block row (stale or unwritten
       // keys, masked out of the softmax); a tile that would leave its block row (blocks of
       // fewer than 16 tokens, or not a multiple of 16) is copied, zero-padded, instead.
-      tile.copied = offset + LANES > block_size;
-      if (tile.copied && use_dot) {
-        bf16_bits* copy = key_copies + count * dim * LANES;
+      const bool copied = k % block_size + LANES > block_size;
+      SubTile& tile = tiles[count];
+      tile = {k, run.width, run.keys, copied, copied ? LANES : block_size, run.values};
+      auto copy_keys = [&](auto* copy, auto load) {
         for (int64_t d = 0; d < dim; ++d)
           for (int j = 0; j < LANES; ++j)
-            copy[d * LANES + j] =
-                j < width ? reinterpret_cast<const bf16_bits*>(k_block)[d * block_size + j] : 0;
+            copy[d * LANES + j] = j < run.width ? load(run.keys + d * block_size + j) : 0;
         tile.keys = copy;
-        tile.stride = LANES;
-      } else if (tile.copied) {
-        float* copy = key_tiles + count * dim * LANES;
-        for (int64_t d = 0; d < dim; ++d)
-          for (int j = 0; j < LANES; ++j)
-            copy[d * LANES + j] = j < width ? load_float(k_block + d * block_size + j) : 0.0f;
-        tile.keys = copy;
-        tile.stride = LANES;
-      } else {
-        tile.keys = k_block;
-        tile.stride = block_size;
-      }
-      k += width;
+      };
+      if (copied && use_dot)  // the raw bf16 keys
+        copy_keys(key_copies + count * dim * LANES, [](const T* p) { return *p; });
+      else if (copied)
+        copy_keys(key_tiles + count * dim * LANES, [](const T* p) { return load_float(p); });
+      k += run.width;
     }
     // start loading the next step's keys and values while this one computes
     for (int64_t next = k, t = 0; next < visible_end && t < sub_tiles; ++t) {
-      const int64_t block = table[next / block_size], offset = next % block_size;
-      const int64_t width = std::min<int64_t>({LANES, block_size - offset, visible_end - next});
-      const char* k_bytes = reinterpret_cast<const char*>(
-          a.k_cache + (u.head * a.num_blocks + block) * dim * block_size + offset);
-      const char* v_bytes = reinterpret_cast<const char*>(
-          a.v_cache + ((u.head * a.num_blocks + block) * block_size + offset) * dim);
-      for (int64_t d = 0; d < dim; ++d)
-        __builtin_prefetch(k_bytes + d * block_size * sizeof(T));
-      for (int64_t line = 0; line < int64_t(width * dim * sizeof(T)); line += 64)
+      const Run run = run_at(next);
+      for (int64_t d = 0; d < dim; ++d) __builtin_prefetch(run.keys + d * block_size);
+      const char* v_bytes = reinterpret_cast<const char*>(run.values);
+      for (int64_t line = 0; line < int64_t(run.width * dim * sizeof(T)); line += 64)
         __builtin_prefetch(v_bytes + line);
-      next += width;
+      next += run.width;
     }
     for (int64_t i0 = 0; i0 < queries; i0 += TILE_QUERIES) {
       const int n = static_cast<int>(std::min<int64_t>(TILE_QUERIES, queries - i0));
       for (int t = 0; t < count; ++t) {
+        const SubTile& tile = tiles[t];
+        float* tile_scores = scores[0] + t * LANES;
 #if defined(__AVX512BF16__)
         if (use_dot) {
-          score_rows_dot(n, q_pairs + i0 * half, half,
-                         static_cast<const bf16_bits*>(tiles[t].keys), tiles[t].stride,
-                         scores[0] + t * LANES, STEP_KEYS, a.scale);
+          score_rows_dot(n, q_pairs + i0 * half, half, static_cast<const bf16_bits*>(tile.keys),
+                         tile.stride, tile_scores, STEP_KEYS, a.scale);
           continue;
         }
 #endif
-        if (tiles[t].copied)
-          score_rows<float>(n, q + i0 * dim, dim, static_cast<const float*>(tiles[t].keys),
-                            tiles[t].stride, scores[0] + t * LANES, STEP_KEYS);
+        if (tile.copied)
+          score_rows<float>(n, q + i0 * dim, dim, static_cast<const float*>(tile.keys),
+                            tile.stride, tile_scores, STEP_KEYS);
         else
-          score_rows<T>(n, q + i0 * dim, dim, static_cast<const T*>(tiles[t].keys),
-                        tiles[t].stride, scores[0] + t * LANES, STEP_KEYS);
+          score_rows<T>(n, q + i0 * dim, dim, static_cast<const T*>(tile.keys), tile.stride,
+                        tile_scores, STEP_KEYS);
       }
       // online softmax per query over the keys it sees in this step (a prefix of each tile)
       int keys[SUB_TILES] = {0, 0, 0, 0};
@@ -938,16 +850,7 @@ void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, UnitScrat
       }
     }
   }
-  if (carried) {
-    for (int64_t query = 0; query < queries; ++query) {
-      const int64_t s = state_index(query);
-      std::memcpy(out.state_acc.data() + s * dim, acc + query * dim, dim * sizeof(float));
-      out.state_max[s] = run_max[query];
-      std::memcpy(out.state_lanes.data() + s * LANES, lane_sums + query * LANES,
-                  LANES * sizeof(float));
-    }
-    return;
-  }
+  if (carried) return carry(false);
   for (int64_t query = 0; query < queries; ++query) {
     float total = 0.0f;
     for (int j = 0; j < LANES; ++j) total += lane_sums[query * LANES + j];
@@ -1011,10 +914,10 @@ struct AttentionPlan {
   std::vector<int64_t> parts;       // partial entries of each (token, kv head)
 };
 
-AttentionPlan plan_attention(const int32_t* items, int64_t num_items, const int32_t* item_rows,
-                             const int32_t* item_first, int64_t tokens, int64_t heads,
+AttentionPlan plan_attention(const StepTensors& step, int64_t tokens, int64_t heads,
                              int64_t kv_heads, int64_t block_size, int64_t split_keys) {
-  const int64_t group = heads / kv_heads;
+  const int32_t *items = step.items, *item_rows = step.item_rows, *item_first = step.item_first;
+  const int64_t num_items = step.num_items, group = heads / kv_heads;
   AttentionPlan plan;
   // A unit takes up to 256 query vectors (rows x the query heads of one KV head) and reads
   // each key once for all of them. An item that fits one such tile (decode rows, short
@@ -1141,15 +1044,6 @@ void run_attention(const AttentionArgs<T>& a, const AttentionPlan& plan, Partial
   normalize_states(a, partials, tokens, out);
 }
 
-struct StepTensors {  // one step's attention metadata, checked once
-  const int32_t* items;
-  int64_t num_items;
-  const int32_t* item_rows;
-  const int32_t* item_first;  // null: no sliding window
-  std::vector<const int32_t*> tables;
-  std::vector<int64_t> table_widths;
-};
-
 StepTensors step_tensors(const std::vector<at::Tensor>& tables, const at::Tensor& items,
                          const at::Tensor& item_rows, const at::Tensor& item_first) {
   TORCH_CHECK(items.dim() == 2 && items.size(1) == ITEM_FIELDS &&
@@ -1175,22 +1069,9 @@ StepTensors step_tensors(const std::vector<at::Tensor>& tables, const at::Tensor
 template <typename T>
 AttentionArgs<T> attention_args(const StepTensors& step, const T* q, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, int64_t heads, double scale) {
-  AttentionArgs<T> a;
-  a.q = q;
-  a.k_cache = reinterpret_cast<const T*>(k_cache.data_ptr());
-  a.v_cache = reinterpret_cast<const T*>(v_cache.data_ptr());
-  a.heads = heads;
-  a.kv_heads = k_cache.size(0);
-  a.num_blocks = k_cache.size(1);
-  a.dim = k_cache.size(2);
-  a.block_size = k_cache.size(3);
-  a.scale = static_cast<float>(scale);
-  a.items = step.items;
-  a.item_rows = step.item_rows;
-  a.item_first = step.item_first;
-  a.tables = step.tables;
-  a.table_widths = step.table_widths;
-  return a;
+  return {step, q, data_of<const T>(k_cache), data_of<const T>(v_cache), heads,
+          k_cache.size(0), k_cache.size(1), k_cache.size(2), k_cache.size(3),
+          static_cast<float>(scale)};
 }
 
 void check_caches(at::ScalarType dtype, const at::Tensor& k_cache, const at::Tensor& v_cache) {
@@ -1216,19 +1097,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(heads % k_cache.size(0) == 0, "paged_attention: heads % kv_heads != 0");
   const StepTensors step = step_tensors(tables, items, item_rows, item_first);
   const AttentionPlan plan =
-      plan_attention(step.items, step.num_items, step.item_rows, step.item_first, tokens, heads,
-                     k_cache.size(0), k_cache.size(3), split_keys);
+      plan_attention(step, tokens, heads, k_cache.size(0), k_cache.size(3), split_keys);
   at::Tensor out = at::empty_like(q);
   Partials partials;
-  if (q.scalar_type() == at::kFloat) {
-    auto a = attention_args(step, q.data_ptr<float>(), k_cache, v_cache, heads, scale);
-    run_attention(a, plan, partials, tokens, out.data_ptr<float>());
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "paged_attention: float32 or bfloat16 only");
-    auto a = attention_args(step, reinterpret_cast<const bf16_bits*>(q.data_ptr()), k_cache,
-                            v_cache, heads, scale);
-    run_attention(a, plan, partials, tokens, reinterpret_cast<bf16_bits*>(out.data_ptr()));
-  }
+  dispatch_dtype(q, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    auto a = attention_args(step, data_of<const T>(q), k_cache, v_cache, heads, scale);
+    run_attention(a, plan, partials, tokens, data_of<T>(out));
+  }, "paged_attention: float32 or bfloat16 only");
   return out;
 }
 
@@ -1364,7 +1240,10 @@ enum LayerTensor {
 };
 enum TimedKind { LINEAR_SECONDS, ATTENTION_SECONDS, KV_STORE_SECONDS, ELEMENTWISE_SECONDS };
 
-const void* optional_data(const at::Tensor& t) { return t.numel() ? t.data_ptr() : nullptr; }
+template <typename T>
+const T* optional_data(const at::Tensor& t) {  // null for an empty tensor
+  return t.numel() ? data_of<const T>(t) : nullptr;
+}
 
 template <typename T>
 at::Tensor decoder_forward_impl(const at::Tensor& embedded, const at::Tensor& cos,
@@ -1384,18 +1263,12 @@ at::Tensor decoder_forward_impl(const at::Tensor& embedded, const at::Tensor& co
   // caller between steps): fresh buffers of a long prefill chunk cost more in page faults
   // than the arithmetic on them. Only the returned hidden states are a new tensor.
   const auto options = embedded.options();
-  const int64_t sizes[] = {hidden_size, hidden_size, qkv_size,      heads * dim,
-                           kv_heads * dim, kv_heads * dim, heads * dim, 2 * intermediate,
-                           intermediate};
-  int64_t per_token = 0;
-  for (const int64_t size : sizes) per_token += size;
+  const int64_t per_token =  // the buffers carved below
+      2 * hidden_size + qkv_size + 2 * heads * dim + 2 * kv_heads * dim + 3 * intermediate;
   const int64_t needed = tokens * per_token * static_cast<int64_t>(sizeof(T));
   if (workspace.numel() < needed) workspace.resize_({needed});
-  T* cursor = reinterpret_cast<T*>(workspace.data_ptr());
-  auto carve = [&](int64_t width) {
-    T* buffer = cursor;
-    cursor += tokens * width;
-    return buffer;
+  auto carve = [&, cursor = reinterpret_cast<T*>(workspace.data_ptr())](int64_t width) mutable {
+    return std::exchange(cursor, cursor + tokens * width);  // the next tokens * width values
   };
   T* r = carve(hidden_size);  // the residual stream
   T* dl = carve(hidden_size);  // a block's output, added to the stream in the next norm
@@ -1410,91 +1283,64 @@ at::Tensor decoder_forward_impl(const at::Tensor& embedded, const at::Tensor& co
   at::Tensor normed = at::empty({tokens, hidden_size}, options);
   std::vector<float> x32;  // a linear's input in fp32
   std::vector<float> bias32;
-  T* n = reinterpret_cast<T*>(normed.data_ptr());
-  auto clock = [&]() { return std::chrono::steady_clock::now(); };
-  auto add_time = [&](int kind, std::chrono::steady_clock::time_point since) {
-    if (seconds) seconds[kind] += std::chrono::duration<double>(clock() - since).count();
+  T* n = data_of<T>(normed);
+  const float epsf = static_cast<float>(eps);
+  auto timed = [&](int kind, auto&& work) {  // work(), its seconds added to seconds[kind]
+    const auto started = std::chrono::steady_clock::now();
+    work();
+    const auto elapsed = std::chrono::steady_clock::now() - started;
+    if (seconds) seconds[kind] += std::chrono::duration<double>(elapsed).count();
   };
   std::vector<uint32_t> x_pairs;
   auto linear = [&](const T* x, int64_t in_features, const at::Tensor& packed,
                     const at::Tensor& bias, T* out, int64_t out_features) {
-    const auto started = clock();
-    const float* b = nullptr;
-    if (bias.numel()) {
-      bias32.resize(out_features);
-      const T* raw = reinterpret_cast<const T*>(bias.data_ptr());
-      for (int64_t i = 0; i < out_features; ++i) bias32[i] = load_float(raw + i);
-      b = bias32.data();
-    }
-    run_linear<T>(x, tokens, in_features, packed, b, out, out_features, x32, x_pairs);
-    add_time(LINEAR_SECONDS, started);
+    timed(LINEAR_SECONDS, [&] {
+      const float* b = nullptr;
+      if (bias.numel()) {
+        bias32.resize(out_features);
+        const T* raw = data_of<const T>(bias);
+        for (int64_t i = 0; i < out_features; ++i) bias32[i] = load_float(raw + i);
+        b = bias32.data();
+      }
+      run_linear<T>(x, tokens, in_features, packed, b, out, out_features, x32, x_pairs);
+    });
   };
-  const AttentionPlan plan =
-      plan_attention(step.items, step.num_items, step.item_rows, step.item_first, tokens, heads,
-                     kv_heads, block_size, split_keys);
+  auto norm = [&](const T* delta, const at::Tensor& weight) {  // r += delta; n = norm(r)
+    timed(ELEMENTWISE_SECONDS, [&] {
+      add_rms_norm_rows<T>(r, delta, data_of<const T>(weight), n, tokens, hidden_size, epsf);
+    });
+  };
+  const AttentionPlan plan = plan_attention(step, tokens, heads, kv_heads, block_size, split_keys);
   Partials partials;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const at::Tensor* w = layers.data() + layer * LAYER_TENSORS;
-    auto started = clock();
-    add_rms_norm_rows<T>(r, layer ? dl : nullptr, reinterpret_cast<const T*>(w[INPUT_NORM].data_ptr()),
-                         n, tokens, hidden_size, static_cast<float>(eps));
-    add_time(ELEMENTWISE_SECONDS, started);
+    norm(layer ? dl : nullptr, w[INPUT_NORM]);
     linear(n, hidden_size, w[QKV], w[QKV_BIAS], qkv, qkv_size);
-    started = clock();
-    qkv_rope_rows<T>(qkv,
-                     reinterpret_cast<const T*>(cos.data_ptr()),
-                     reinterpret_cast<const T*>(sin.data_ptr()),
-                     static_cast<const T*>(optional_data(w[Q_NORM])),
-                     static_cast<const T*>(optional_data(w[K_NORM])), static_cast<float>(eps),
-                     q, k, v, tokens, heads, kv_heads, dim);
-    add_time(ELEMENTWISE_SECONDS, started);
-    started = clock();
-    store_kv_impl<T>(reinterpret_cast<T*>(k_caches[layer].data_ptr()),
-                     reinterpret_cast<T*>(v_caches[layer].data_ptr()),
-                     k, v, slots, tokens, kv_heads,
-                     k_caches[layer].size(1), dim, block_size);
-    add_time(KV_STORE_SECONDS, started);
-    started = clock();
-    auto a = attention_args(step, static_cast<const T*>(q), k_caches[layer],
-                            v_caches[layer], heads, scale);
-    run_attention(a, plan, partials, tokens, attended);
-    add_time(ATTENTION_SECONDS, started);
+    timed(ELEMENTWISE_SECONDS, [&] {
+      qkv_rope_rows<T>(qkv, data_of<const T>(cos), data_of<const T>(sin),
+                       optional_data<T>(w[Q_NORM]), optional_data<T>(w[K_NORM]), epsf, q, k, v,
+                       tokens, heads, kv_heads, dim);
+    });
+    timed(KV_STORE_SECONDS, [&] {
+      store_kv_impl<T>(data_of<T>(k_caches[layer]), data_of<T>(v_caches[layer]), k, v, slots,
+                       tokens, kv_heads, k_caches[layer].size(1), dim, block_size);
+    });
+    timed(ATTENTION_SECONDS, [&] {
+      auto a = attention_args<T>(step, q, k_caches[layer], v_caches[layer], heads, scale);
+      run_attention(a, plan, partials, tokens, attended);
+    });
     linear(attended, heads * dim, w[O_PROJ], w[O_BIAS], dl, hidden_size);
-    started = clock();
-    add_rms_norm_rows<T>(r, dl, reinterpret_cast<const T*>(w[POST_NORM].data_ptr()), n, tokens,
-                         hidden_size, static_cast<float>(eps));
-    add_time(ELEMENTWISE_SECONDS, started);
+    norm(dl, w[POST_NORM]);
     linear(n, hidden_size, w[GATE_UP], at::Tensor(), gate_up, 2 * intermediate);
-    started = clock();
-    silu_mul_rows<T>(gate_up, activated, tokens, intermediate);
-    add_time(ELEMENTWISE_SECONDS, started);
+    timed(ELEMENTWISE_SECONDS, [&] { silu_mul_rows<T>(gate_up, activated, tokens, intermediate); });
     linear(activated, intermediate, w[DOWN], at::Tensor(), dl, hidden_size);
   }
-  const auto started = clock();
-  add_rms_norm_rows<T>(r, num_layers ? dl : nullptr,
-                       reinterpret_cast<const T*>(final_norm.data_ptr()), n, tokens,
-                       hidden_size, static_cast<float>(eps));
-  add_time(ELEMENTWISE_SECONDS, started);
+  norm(num_layers ? dl : nullptr, final_norm);
   return normed;
 }
 
 // The elementwise regions on their own (the tests compare them with fused.py's eager ones).
-template <typename F>
-void dispatch_dtype(const at::Tensor& t, const char* name, F&& run) {
-  if (t.scalar_type() == at::kFloat) {
-    run(static_cast<float*>(nullptr));
-  } else {
-    TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, ": float32 or bfloat16 only");
-    run(static_cast<bf16_bits*>(nullptr));
-  }
-}
-
-template <typename T>
-T* data_of(const at::Tensor& t) {
-  return reinterpret_cast<T*>(t.data_ptr());
-}
-
 std::vector<at::Tensor> add_rms_norm(const at::Tensor& hidden, const at::Tensor& delta,
                                      const at::Tensor& weight, double eps) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && weight.is_contiguous() &&
@@ -1505,12 +1351,12 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& hidden, const at::Tensor&
                                  delta.scalar_type() == hidden.scalar_type()),
               "add_rms_norm: delta must be like hidden (or empty)");
   at::Tensor summed = hidden.clone(), normed = at::empty_like(hidden);
-  dispatch_dtype(hidden, "add_rms_norm", [&](auto* tag) {
+  dispatch_dtype(hidden, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    add_rms_norm_rows<T>(data_of<T>(summed), delta.numel() ? data_of<T>(delta) : nullptr,
-                         data_of<T>(weight), data_of<T>(normed), hidden.size(0), hidden.size(1),
+    add_rms_norm_rows<T>(data_of<T>(summed), optional_data<T>(delta), data_of<T>(weight),
+                         data_of<T>(normed), hidden.size(0), hidden.size(1),
                          static_cast<float>(eps));
-  });
+  }, "add_rms_norm: float32 or bfloat16 only");
   return {summed, normed};
 }
 
@@ -1526,13 +1372,12 @@ std::vector<at::Tensor> qkv_rope(const at::Tensor& qkv, const at::Tensor& cos,
   at::Tensor q = at::empty({tokens, heads, dim}, qkv.options());
   at::Tensor k = at::empty({tokens, kv_heads, dim}, qkv.options());
   at::Tensor v = at::empty({tokens, kv_heads, dim}, qkv.options());
-  dispatch_dtype(qkv, "qkv_rope", [&](auto* tag) {
+  dispatch_dtype(qkv, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     qkv_rope_rows<T>(data_of<T>(qkv), data_of<T>(cos), data_of<T>(sin),
-                     q_norm.numel() ? data_of<T>(q_norm) : nullptr,
-                     k_norm.numel() ? data_of<T>(k_norm) : nullptr, static_cast<float>(eps),
+                     optional_data<T>(q_norm), optional_data<T>(k_norm), static_cast<float>(eps),
                      data_of<T>(q), data_of<T>(k), data_of<T>(v), tokens, heads, kv_heads, dim);
-  });
+  }, "qkv_rope: float32 or bfloat16 only");
   return {q, k, v};
 }
 
@@ -1540,10 +1385,10 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.is_contiguous(),
               "silu_mul: gate_up must be contiguous [T, 2 I]");
   at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
-  dispatch_dtype(gate_up, "silu_mul", [&](auto* tag) {
+  dispatch_dtype(gate_up, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     silu_mul_rows<T>(data_of<T>(gate_up), data_of<T>(out), gate_up.size(0), out.size(1));
-  });
+  }, "silu_mul: float32 or bfloat16 only");
   return out;
 }
 
@@ -1612,16 +1457,13 @@ at::Tensor decoder_forward(const at::Tensor& embedded, const at::Tensor& cos,
                 "decoder_forward: seconds must be float64 [4] or empty");
     timings = seconds.data_ptr<double>();
   }
-  if (embedded.scalar_type() == at::kFloat)
-    return decoder_forward_impl<float>(embedded, cos, sin, layers, final_norm, k_caches,
-                                       v_caches, slot_mapping, step, heads, kv_heads,
-                                       intermediate, eps, scale, split_keys, timings,
-                                       workspace);
-  TORCH_CHECK(embedded.scalar_type() == at::kBFloat16, "decoder_forward: float32 or bfloat16");
-  return decoder_forward_impl<bf16_bits>(embedded, cos, sin, layers, final_norm, k_caches,
-                                         v_caches, slot_mapping, step, heads, kv_heads,
-                                         intermediate, eps, scale, split_keys, timings,
-                                       workspace);
+  at::Tensor normed;
+  dispatch_dtype(embedded, [&](auto* tag) {
+    normed = decoder_forward_impl<std::remove_pointer_t<decltype(tag)>>(
+        embedded, cos, sin, layers, final_norm, k_caches, v_caches, slot_mapping, step, heads,
+        kv_heads, intermediate, eps, scale, split_keys, timings, workspace);
+  }, "decoder_forward: float32 or bfloat16");
+  return normed;
 }
 
 }  // namespace

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -148,38 +149,11 @@ def attention_items(
     carried_in = [None] * len(prefixes)
     if step_keys is not None:
         own, prefixes, carried_in = _aligned(own, prefixes, step_keys)
-    starts = own.query_start.long()
-    counts = starts[1:] - starts[:-1]
-    own_items = torch.stack(
-        [
-            torch.zeros_like(counts),
-            torch.arange(len(counts)),
-            own.context_lens.long(),
-            starts[:-1],
-            counts,
-            torch.ones_like(counts),
-        ],
-        dim=1,
-    )
-    parts = [own_items]
+    parts = [_items(0, own.context_lens, own.query_start.long(), causal=1)]
     rows = [torch.arange(own.num_rows)]
     offset = own.num_rows
     for index, prefix in enumerate(prefixes, start=1):
-        row_start = prefix.row_start.long()
-        segments = len(prefix.host_lengths)
-        parts.append(
-            torch.stack(
-                [
-                    torch.full((segments,), index),
-                    torch.arange(segments),
-                    prefix.lengths.long(),
-                    row_start[:-1] + offset,
-                    row_start[1:] - row_start[:-1],
-                    torch.zeros(segments, dtype=torch.long),
-                ],
-                dim=1,
-            )
-        )
+        parts.append(_items(index, prefix.lengths, prefix.row_start.long() + offset, causal=0))
         rows.append(prefix.rows.long())
         offset += len(prefix.host_rows)
     items = torch.cat(parts).to(torch.int32)
@@ -192,13 +166,27 @@ def attention_items(
     )
 
 
+def _items(table_list: int, key_lens: Tensor, row_start: Tensor, causal: int) -> Tensor:
+    """The [n, 6] int64 items of one table list: n = len(key_lens), rows from row_start."""
+    count = len(key_lens)
+    return torch.stack(
+        [
+            torch.full((count,), table_list),
+            torch.arange(count),
+            key_lens.long(),
+            row_start[:-1],
+            row_start[1:] - row_start[:-1],
+            torch.full((count,), causal),
+        ],
+        dim=1,
+    )
+
+
 def _item_first(own: OwnBatch, prefixes: Sequence[PrefixBatch], carried_in: Sequence) -> Tensor:
     """``AttentionItems.item_first`` of a sliding-window step (empty without a window), in
     the items' key coordinates: an own row's own position less the window plus one (keys
     carried in front by ``_aligned`` are counted in the position), a segment row's
     ``key_start`` plus the keys carried in front of its segment."""
-    import numpy as np
-
     if not own.window and all(p.key_start is None for p in prefixes):
         return torch.empty(0, dtype=torch.int32)
     starts = np.asarray(own.host_query_start, dtype=np.int64)
@@ -215,8 +203,7 @@ def _item_first(own: OwnBatch, prefixes: Sequence[PrefixBatch], carried_in: Sequ
         if carried is not None:
             first = first + np.repeat(carried, np.diff(prefix.host_row_start))
         parts.append(first)
-    merged = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    return torch.from_numpy(np.clip(merged, -(2**30), 2**30).astype(np.int32))
+    return torch.from_numpy(np.clip(np.concatenate(parts), -(2**30), 2**30).astype(np.int32))
 
 
 def _check_caches(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
@@ -331,17 +318,14 @@ def _check_attention(
     tables = [take(n) for n in own_lens]
     starts = [0, 19, 20, 24]
     level1, level2 = take(37), [take(3), take(20)]
-    k_ref = torch.full((num_blocks, block_size, kv_heads, dim), float("nan"))
-    v_ref = torch.full_like(k_ref, float("nan"))
-    k_ref, v_ref = k_ref.to(dtype), v_ref.to(dtype)
-    written = [(t, n) for t, n in zip(tables, own_lens)] + [(level1, 37)]
-    written += [(level2[0], 3), (level2[1], 20)]
+    cache_shape = (num_blocks, block_size, kv_heads, dim)
+    refs = [torch.full(cache_shape, float("nan")).to(dtype) for _ in range(2)]  # k, v
     new_slots = []
-    for table, tokens in written:
+    for table, tokens in [*zip(tables, own_lens), (level1, 37), (level2[0], 3), (level2[1], 20)]:
         for i in range(tokens):
             slot = (table[i // block_size], i % block_size)
-            k_ref[slot] = torch.randn(kv_heads, dim, generator=generator).to(dtype)
-            v_ref[slot] = torch.randn(kv_heads, dim, generator=generator).to(dtype)
+            for ref in refs:
+                ref[slot] = torch.randn(kv_heads, dim, generator=generator).to(dtype)
     for table, tokens, rows in zip(tables, own_lens, own_rows):  # this step's own tokens
         new_slots += [table[i // block_size] * block_size + i % block_size
                       for i in range(tokens - rows, tokens)]  # fmt: skip
@@ -355,21 +339,19 @@ def _check_attention(
         ),  # fmt: skip
     ]
     scale = dim**-0.5
-    parts = [torch_attention.own_attention(q, k_ref, v_ref, own, scale)]
-    parts += [torch_attention.prefix_attention(q, k_ref, v_ref, p, scale) for p in prefixes]
+    parts = [torch_attention.own_attention(q, *refs, own, scale)]
+    parts += [torch_attention.prefix_attention(q, *refs, p, scale) for p in prefixes]
     expected = torch_attention.merge_attention_states(parts).out
     # store: this step's K/V go through store_kv into a cache that lacks them
     slots = torch.tensor(new_slots, dtype=torch.int64)
-    k_new = k_ref.view(-1, kv_heads, dim)[slots].clone()
-    v_new = v_ref.view(-1, kv_heads, dim)[slots].clone()
-    k_missing, v_missing = k_ref.clone(), v_ref.clone()
-    k_missing.view(-1, kv_heads, dim)[slots] = 0
-    v_missing.view(-1, kv_heads, dim)[slots] = 0
-    k_cpu, v_cpu = to_cpu_layout(k_missing, v_missing)
-    store_kv(module, k_cpu, v_cpu, k_new, v_new, slots)
-    k_back, v_back = from_cpu_layout(k_cpu, v_cpu)
-    if not (torch.equal(k_back.nan_to_num(), k_ref.nan_to_num())
-            and torch.equal(v_back.nan_to_num(), v_ref.nan_to_num())):  # fmt: skip
+    new = [ref.view(-1, kv_heads, dim)[slots].clone() for ref in refs]
+    missing = [ref.clone() for ref in refs]
+    for cache in missing:
+        cache.view(-1, kv_heads, dim)[slots] = 0
+    k_cpu, v_cpu = to_cpu_layout(*missing)
+    store_kv(module, k_cpu, v_cpu, *new, slots)
+    back = from_cpu_layout(k_cpu, v_cpu)
+    if not all(torch.equal(b.nan_to_num(), ref.nan_to_num()) for b, ref in zip(back, refs)):
         return f"store_kv (block_size {block_size}): the cache differs from the reference's"
     work = attention_items(own, prefixes)
     for split in (SPLIT_KEYS, 5):

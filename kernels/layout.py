@@ -31,7 +31,7 @@ import itertools
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -91,12 +91,8 @@ def _check_kv_cache(k_cache: Tensor, v_cache: Tensor) -> tuple[int, int, int, in
         raise ValueError(
             f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}"
         )
-    if v_cache.dtype != k_cache.dtype:
-        raise TypeError(f"v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
-    if v_cache.device != k_cache.device:
-        raise ValueError(f"v_cache is on {v_cache.device} but k_cache on {k_cache.device}")
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    return num_blocks, block_size, num_kv_heads, head_dim
+    _check_like_cache("v_cache", v_cache, k_cache)
+    return tuple(k_cache.shape)
 
 
 def _check_like_cache(name: str, value: Tensor, k_cache: Tensor) -> None:
@@ -604,15 +600,13 @@ def windowed(
     positions, shifted by the prefix, so the window applies as is); each prefix batch
     gets ``key_start`` per row: ``position - window + 1 - segment start``.
     """
-    import dataclasses
-
     window = _check_count("window", window, 1)
     positions = np.asarray(positions, dtype=np.int64)
     if positions.shape != (own.num_rows,):
         raise ValueError(f"positions must be [{own.num_rows}], got {positions.shape}")
     if len(segment_starts) != len(prefixes):
         raise ValueError("segment_starts must have one entry per prefix batch")
-    own = dataclasses.replace(own, window=window, derived={})
+    own = replace(own, window=window, derived={})
     batches = []
     for prefix, starts in zip(prefixes, segment_starts):
         rows = np.asarray(prefix.host_rows, dtype=np.int64)
@@ -629,7 +623,7 @@ def windowed(
             np.cumsum(counts, out=row_start[1:])
         device = prefix.block_tables.device
         batches.append(
-            dataclasses.replace(
+            replace(
                 prefix,
                 rows=device_tensor(rows, device),
                 row_start=device_tensor(row_start.astype(np.int32), device),
@@ -761,8 +755,6 @@ def align_batches(
     the batches' device). Also returns, per prefix batch, the keys carried in front of
     each segment's own. ``key_start`` (sliding windows) is left as is: add ``carried_in``
     to it for the aligned items' coordinates."""
-    import dataclasses
-
     if own.num_rows == 0:
         return own, list(prefixes), [np.zeros(len(p.host_lengths), np.int64) for p in prefixes]
     levels = [
@@ -777,7 +769,7 @@ def align_batches(
     for prefix, table, lengths in zip(prefixes, aligned.level_tables, aligned.level_lengths):
         device = prefix.block_tables.device
         batches.append(
-            dataclasses.replace(
+            replace(
                 prefix,
                 block_tables=device_tensor(table, device),
                 lengths=device_tensor(lengths.astype(np.int32), device),
@@ -788,7 +780,7 @@ def align_batches(
         )
     lengths = aligned.context_lens
     device = own.block_tables.device
-    own = dataclasses.replace(
+    own = replace(
         own,
         block_tables=device_tensor(aligned.own_tables, device),
         context_lens=device_tensor(lengths.astype(np.int32), device),

@@ -29,8 +29,7 @@ Tolerances, the kernel tests': attention ``OUT_TOLERANCE`` / ``LSE_TOLERANCE``; 
 caches, the residual sum, ``v`` and RoPE without the q/k norm; fp32 norms and SiLU within
 ``FP32_ULPS`` ulp, q and k after the q/k norm within ``QK_NORM_FP32_TOLERANCE``; fp16/bf16
 norms and SiLU bitwise but for rare flips (at most ``MAX_FLIP_FRACTION`` of the values,
-each at most ``MAX_FLIP_ULPS`` ulp, same sign). Under the Triton interpreter (CPU tensors,
-``TRITON_INTERPRET=1``) a check takes well under a second.
+each at most ``MAX_FLIP_ULPS`` ulp, same sign).
 """
 
 from __future__ import annotations

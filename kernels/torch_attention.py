@@ -12,10 +12,8 @@ attention over ``[shared prefix ; own tokens]`` into two parts over disjoint key
 and ``merge_attention_states`` combines the ``(out, lse)`` results by log-sum-exp;
 ``store_kv`` writes a step's K/V into the cache. The engine runs them where no faster
 kernel applies (CPU tensors the compiled CPU kernels do not take or could not be built
-for, a device whose Triton kernels failed their self-check, ``kernels="torch"``),
-and they are the oracle for the Triton kernels (``triton_attention.py``, which share their
-signatures and semantics) and the compiled CPU kernels (``cpu_kernels.cpp`` through
-``cpu_ops.py``).
+for, a device whose Triton kernels failed their self-check, ``kernels="torch"``); the
+Triton kernels (``triton_attention.py``) share their signatures and semantics.
 
 The cache layout, the step's batches (``OwnBatch``, ``PrefixBatch``), GQA, the dtypes
 and the argument checks are in ``layout.py``.
@@ -60,16 +58,6 @@ MAX_SCORE_ELEMENTS = 1 << 24
 # ---------------------------------------------------------------- core
 
 
-def _head_rows(group: _Group, num_kv_heads: int) -> Tensor:
-    """[P, kv, S] rows of a cache viewed as [-1, head_dim] holding the group's keys, KV
-    head first (derived once per step and reused by every layer)."""
-    key = ("head_rows", num_kv_heads)
-    if key not in group.derived:
-        head = torch.arange(num_kv_heads, device=group.slots.device)
-        group.derived[key] = group.slots[:, None, :] * num_kv_heads + head[None, :, None]
-    return group.derived[key]
-
-
 def _gather_slots(cache: Tensor, group: _Group, contiguous: bool) -> Tensor:
     """Rows of one cache at the group's slots, KV head first, fp32.
 
@@ -82,7 +70,12 @@ def _gather_slots(cache: Tensor, group: _Group, contiguous: bool) -> Tensor:
     slots = group.slots
     flat_slots = slots.flatten()  # [P * S]
     if contiguous and cache.is_contiguous():
-        row_ids = _head_rows(group, num_kv_heads)  # [P, kv, S]
+        # [P, kv, S] rows of cache.view(-1, head_dim), derived once per step for every layer
+        key = ("head_rows", num_kv_heads)
+        if key not in group.derived:
+            head = torch.arange(num_kv_heads, device=slots.device)
+            group.derived[key] = slots[:, None, :] * num_kv_heads + head[None, :, None]
+        row_ids = group.derived[key]
         gathered = cache.view(-1, head_dim).index_select(0, row_ids.flatten())
         return gathered.view(*row_ids.shape, head_dim).float()
     if cache.is_contiguous():
@@ -90,14 +83,6 @@ def _gather_slots(cache: Tensor, group: _Group, contiguous: bool) -> Tensor:
     else:
         rows = cache[flat_slots // block_size, flat_slots % block_size]  # [P * S, kv, dim]
     return rows.view(*slots.shape, num_kv_heads, head_dim).transpose(1, 2).float()
-
-
-def _group_queries(q: Tensor, group: _Group) -> Tensor:
-    """The group's query rows, heads first: q [T, num_heads, head_dim] ->
-    [P, num_heads, R, head_dim] float32 (a strided view of q when q is read in place)."""
-    pieces, rows = group.row_index.shape
-    picked = q if group.identity else q.index_select(0, group.row_index.flatten())  # [P * R, ...]
-    return picked.view(pieces, rows, *q.shape[1:]).transpose(1, 2).float()
 
 
 # Fused CPU flash attention that also returns the log-sum-exp (a private ATen op; the
@@ -123,14 +108,6 @@ _FLASH_GQA = _flash_reads_gqa()
 SMALL_ATTENTION_ELEMENTS = 1 << 18
 
 
-def _is_small(group: _Group, num_heads: int) -> bool:
-    """Whether a group's attention runs as plain matmuls (see SMALL_ATTENTION_ELEMENTS)."""
-    pieces, rows = group.row_index.shape
-    return not group.causal and pieces * num_heads * rows * group.slots.shape[1] <= (
-        SMALL_ATTENTION_ELEMENTS
-    )
-
-
 def _attend(
     queries: Tensor,
     keys: Tensor,
@@ -147,7 +124,7 @@ def _attend(
              strides; query head h reads KV head h // (heads // kv_heads)
     bias:    [P, 1, rows or 1, keys] fp32, 0 where visible and -inf where masked, or None
     causal:  row i sees keys 0..i (rows == keys; applied besides any bias)
-    small:   not causal and little work (``_is_small``): plain matmuls, keys contiguous
+    small:   not causal, at most SMALL_ATTENTION_ELEMENTS scores: plain matmuls, keys contiguous
     softcap: scaled scores become softcap * tanh(scores / softcap) before the mask (Gemma 2)
     Returns out [P, heads, rows, dim], lse [P, heads, rows]. Every valid row sees >= 1 key
     (rows that see none are padding, dropped by the caller).
@@ -317,17 +294,13 @@ def _pad_group(
     block_ids = table.gather(1, key_position // block_size)  # [P, L]
     slots = block_ids * block_size + key_position % block_size  # [P, L]
     square = causal and not windowed and all(len(p.rows) == p.key_len for p in pieces)
-    if square:
-        # Fresh chunks: row i sees own positions 0..i, padding rows and keys come last.
-        hidden = None
-    elif causal:
+    hidden = None  # square (fresh chunks): row i sees own positions 0..i, padding comes last
+    if causal and not square:
         # Row i of a piece sits at position key_len - rows + i.
         position = key_len[:, None] - counts[:, None] + row  # [P, R]
         hidden = absolute[:, None, :] > position[:, :, None]  # [P, R, L]
-    elif bool((span < max_keys).any()):
+    elif not causal and bool((span < max_keys).any()):
         hidden = (key >= span[:, None])[:, None, :]  # [P, 1, L]
-    else:
-        hidden = None
     if windowed:  # keys before a row's window start are masked too
         lows = [list(p.lows or [0] * len(p.rows)) for p in pieces]
         low = torch.tensor([r + [0] * (max_rows - len(r)) for r in lows], device=device)
@@ -361,10 +334,14 @@ def _run_groups(
         out = torch.zeros_like(q)  # [T, num_heads, head_dim]
         lse = torch.full((num_rows, num_heads), -math.inf, dtype=torch.float32, device=q.device)
     for g in groups:
-        small = _is_small(g, num_heads)
+        pieces, rows = g.row_index.shape
+        scores = pieces * num_heads * rows * g.slots.shape[1]
+        small = not g.causal and scores <= SMALL_ATTENTION_ELEMENTS  # plain matmuls
         keys = _gather_slots(k_cache, g, small)  # [P, kv, L, dim] fp32
         values = _gather_slots(v_cache, g, small)
-        queries = _group_queries(q, g)  # [P, heads, R, dim] fp32
+        # the group's rows, heads first (a strided view of q when q is read in place)
+        picked = q if g.identity else q.index_select(0, g.row_index.flatten())  # [P * R, ...]
+        queries = picked.view(pieces, rows, num_heads, head_dim).transpose(1, 2).float()
         group_out, group_lse = _attend(
             queries, keys, values, scale, g.bias, g.causal, small, softcap
         )
@@ -381,10 +358,6 @@ def _run_groups(
     return AttentionOutput(out, lse)
 
 
-def _tile_rows(longest: int, num_heads: int, kv_elements: int) -> int:
-    return max(1, (MAX_SCORE_ELEMENTS // max(1, longest) - kv_elements) // num_heads)
-
-
 def _groups(batch: OwnBatch | PrefixBatch, num_heads: int, num_kv_heads: int, head_dim: int):
     """The batch's padded groups (causal for an OwnBatch), derived on first use and cached
     in ``batch.derived`` for later layers."""
@@ -392,10 +365,11 @@ def _groups(batch: OwnBatch | PrefixBatch, num_heads: int, num_kv_heads: int, he
     if key not in batch.derived:
         kv_elements = 2 * num_kv_heads * head_dim
         causal = isinstance(batch, OwnBatch)
-        if causal:
-            listed = _own_pieces(batch, _tile_rows(batch.max_context_len, num_heads, kv_elements))
-        else:
-            listed = _prefix_pieces(batch, _tile_rows(batch.max_length, num_heads, kv_elements))
+        pieces, longest = (
+            (_own_pieces, batch.max_context_len) if causal else (_prefix_pieces, batch.max_length)
+        )
+        tile = max(1, (MAX_SCORE_ELEMENTS // max(1, longest) - kv_elements) // num_heads)
+        listed = pieces(batch, tile)
         batch.derived[key] = [
             _pad_group(g, batch.block_tables, batch.block_size, causal, batch.num_rows)
             for g in _group_pieces(listed, num_heads, kv_elements)
@@ -427,18 +401,13 @@ def _prefix_pieces(batch: PrefixBatch, tile: int) -> list[_Piece]:
     for s, length in enumerate(batch.host_lengths):
         if length == 0:
             continue  # sees no key: out 0, lse -inf
-        if firsts is None:
-            for first in range(starts[s], starts[s + 1], tile):
-                pieces.append(_Piece(s, rows[first : min(first + tile, starts[s + 1])], length))
-            continue
         # sliding window: rows that see none of the segment are left out (out 0, lse -inf)
-        seen = [i for i in range(starts[s], starts[s + 1]) if firsts[i] < length]
+        seen = [i for i in range(starts[s], starts[s + 1]) if firsts is None or firsts[i] < length]
         for first in range(0, len(seen), tile):
             tile_of = seen[first : first + tile]
-            lows = tuple(firsts[i] for i in tile_of)
-            pieces.append(
-                _Piece(s, tuple(rows[i] for i in tile_of), length, lows if max(lows) > 0 else None)
-            )
+            lows = None if firsts is None else tuple(firsts[i] for i in tile_of)
+            rows_of = tuple(rows[i] for i in tile_of)
+            pieces.append(_Piece(s, rows_of, length, lows if lows and max(lows) > 0 else None))
     return pieces
 
 
@@ -466,11 +435,7 @@ def own_attention(
     masked), so decode rows run together in one matmul; the grouping and index tensors
     are derived once per batch and reused by every layer.
     """
-    check_launch(q, k_cache, v_cache, batch, OwnBatch)
-    scale = check_scale(scale)
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    groups = _groups(batch, num_heads, k_cache.shape[2], head_dim)
-    return _run_groups(q, k_cache, v_cache, groups, scale, softcap)
+    return _attention(q, k_cache, v_cache, batch, OwnBatch, scale, softcap)
 
 
 def prefix_attention(
@@ -497,10 +462,13 @@ def prefix_attention(
     pack the query heads of one KV head into the rows); segments of similar length are
     batched together.
     """
-    check_launch(q, k_cache, v_cache, batch, PrefixBatch)
+    return _attention(q, k_cache, v_cache, batch, PrefixBatch, scale, softcap)
+
+
+def _attention(q, k_cache, v_cache, batch, kind: type, scale, softcap) -> AttentionOutput:
+    check_launch(q, k_cache, v_cache, batch, kind)
     scale = check_scale(scale)
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    groups = _groups(batch, num_heads, k_cache.shape[2], head_dim)
+    groups = _groups(batch, q.shape[1], k_cache.shape[2], q.shape[2])
     return _run_groups(q, k_cache, v_cache, groups, scale, softcap)
 
 

@@ -13,12 +13,9 @@ Same signatures and semantics as ``torch_attention.py`` (read its docstrings and
 - ``merge_attention_states``: a log-sum-exp merge of (out, lse) parts, folded pairwise
   with an fp32 running state (one rounding to the parts' dtype at the end);
 - ``attend_invariant`` (``AttentionStep(invariant=True)``, ``deterministic=True``): the
-  batch-invariant mode, as the compiled CPU kernel's. Items are aligned on the host so
-  that every one starts on a multiple of the softmax step (``invariant_batches``:
-  ``layout.align_batches``); each (row tile, KV head) carries one fp32 softmax state
-  through the row's shared levels, one launch a level, then its own keys, in steps of 64
-  keys (one block where blocks do not tile 64) at positions fixed by the key positions,
-  in one tile shape per model (``invariant_config``): no key split, no log-sum-exp merge.
+  batch-invariant mode, as the compiled CPU kernel's: one fp32 softmax state per (row
+  tile, KV head) carried through the row's levels in fixed steps of 64 keys, on items
+  aligned on the host (``invariant_batches``); no key split, no log-sum-exp merge.
 
 Work lists. A batch's work items (segment or request, row tile, key range) are listed once
 per engine step from its host fields (``host_row_start``, ``host_query_start``, ...) into
@@ -65,6 +62,7 @@ from llm_operator.kernels.layout import (
     check_scale,
     check_store,
 )
+from llm_operator.kernels.triton_fused_kernels import _device_function
 
 __all__ = [
     "attend_invariant",
@@ -143,21 +141,140 @@ def _store_kv_kernel(
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@_device_function
 def _merge_states(a_out, a_lse, b_out, b_lse):
-    """Log-sum-exp merge of two (out [P, D], lse [P]) states over disjoint keys, in fp32
-    (``_merge_kernel``'s arithmetic): a part with lse -inf weighs 0, even if its out is NaN."""
+    """Log-sum-exp merge of two (out [P, D], lse [P]) states over disjoint keys, in fp32: a
+    part with lse -inf weighs 0, even if its out is NaN."""
     top = tl.maximum(a_lse, b_lse)
     shift = tl.where(top == float("-inf"), 0.0, top)
     total = tl.exp(a_lse - shift) + tl.exp(b_lse - shift)
     lse = tl.where(total > 0.0, shift + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
     lse = tl.where(top == float("inf"), float("inf"), lse)
+    # lse - merged lse, as the reference weighs each part: 0 for a part with lse -inf.
     merged_shift = tl.where(lse == float("-inf"), 0.0, lse)
     a_weight = tl.exp(a_lse - merged_shift)
     b_weight = tl.exp(b_lse - merged_shift)
     out = tl.where(a_weight[:, None] > 0.0, a_weight[:, None] * a_out, 0.0)
     out += tl.where(b_weight[:, None] > 0.0, b_weight[:, None] * b_out, 0.0)
     return out, lse
+
+
+@_device_function
+def _write_state(
+    out_ptr, lse_ptr, out_offsets, lse_offsets, out, lse, mask, row_mask, MERGE: tl.constexpr
+):
+    """Store (out, lse) at the offsets, merged (MERGE) with the state already there."""
+    if MERGE:
+        old_lse = tl.load(lse_ptr + lse_offsets, mask=row_mask, other=float("-inf"))
+        old_out = tl.load(out_ptr + out_offsets, mask=mask, other=0.0).to(tl.float32)
+        out, lse = _merge_states(old_out, old_lse, out, lse)
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(lse_ptr + lse_offsets, lse, mask=row_mask)
+
+
+@_device_function
+def _q_rows(
+    rows_ptr, kv_head, first, count, head_dim, GROUP: tl.constexpr, INDIRECT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """A work item's packed tile rows m = (tile row r, head g of the KV head's group):
+    (r, q_row, head, row_valid, dims, dim_valid)."""
+    m = tl.arange(0, BLOCK_M)
+    r = m // GROUP
+    g = m % GROUP
+    row_valid = r < count  # [M]
+    if INDIRECT:
+        q_row = tl.load(rows_ptr + first + r, mask=row_valid, other=0).to(tl.int64)
+    else:
+        q_row = first + r
+    head = (kv_head * GROUP + g).to(tl.int64)  # [M]
+    dims = tl.arange(0, BLOCK_D)
+    return r, q_row, head, row_valid, dims, dims < head_dim
+
+
+@_device_function
+def _attend_keys(
+    q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_ptr, lows_ptr, kv_head, table, first,
+    count, key_begin, key_end, r, row_valid, dims, dim_valid, window, scale, block_size,
+    stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_table, INDIRECT: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+    INVARIANT: tl.constexpr, MMA_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    STEP_KEYS: tl.constexpr, ROW_PRODUCTS: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The online softmax state (m_i: running max in log2 units, l_i: running sum of
+    exp2(score - m_i), acc [M, D]) of a work item's q tile carried over its keys
+    [key_begin, key_end) of one KV head, STEP_KEYS keys (of BLOCK_N columns) a loop step.
+
+    Causal: row r sits at position key_end - count + r and sees keys up to it. WINDOWED: a
+    row sees no key before its low (own: position - window + 1; prefix: lows_ptr's entry),
+    and the steps before every row's window are skipped, not masked (INVARIANT: the loop
+    still starts on a multiple of STEP_KEYS). ROW_PRODUCTS: the two products as broadcast
+    sums, not tl.dot."""
+    position = key_end - count + r  # [M] causal position of each packed row
+    kv_head64 = kv_head.to(tl.int64)
+    k_base = k_cache_ptr + kv_head64 * stride_kh
+    v_base = v_cache_ptr + kv_head64 * stride_vh
+    table_base = table_ptr + table * stride_table
+    loop_begin = key_begin
+    if WINDOWED:
+        if INDIRECT:
+            low = tl.load(lows_ptr + first + r, mask=row_valid, other=0)
+        else:
+            low = position - window + 1
+        low = tl.where(row_valid, low, key_end)  # [M]
+        loop_begin = tl.maximum(key_begin, tl.min(low, axis=0))
+        if INVARIANT:
+            loop_begin = loop_begin - loop_begin % STEP_KEYS
+    columns = tl.arange(0, BLOCK_N)
+    for start in range(loop_begin, key_end, STEP_KEYS):
+        keys = start + columns  # [N] positions in the segment / request
+        if INVARIANT:
+            key_valid = (columns < STEP_KEYS) & (keys < key_end)
+        else:
+            key_valid = keys < key_end
+        block = tl.load(table_base + keys // block_size, mask=key_valid, other=0).to(tl.int64)
+        offset = (keys % block_size).to(tl.int64)
+        kv_mask = key_valid[:, None] & dim_valid[None, :]
+        k = tl.load(
+            k_base
+            + block[:, None] * stride_kb
+            + offset[:, None] * stride_ks
+            + dims[None, :] * stride_kd,
+            mask=kv_mask,
+            other=0.0,
+        ).to(tl.float32)  # [N, D]
+        v = tl.load(
+            v_base
+            + block[:, None] * stride_vb
+            + offset[:, None] * stride_vs
+            + dims[None, :] * stride_vd,
+            mask=kv_mask,
+            other=0.0,
+        ).to(tl.float32)  # [N, D]
+        if ROW_PRODUCTS:
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [M, N]
+        else:
+            scores = tl.dot(q, tl.trans(k.to(MMA_DTYPE)), input_precision=PRECISION) * scale
+        if CAUSAL:
+            visible = key_valid[None, :] & (keys[None, :] <= position[:, None])
+        else:
+            visible = key_valid[None, :] & row_valid[:, None]
+        if WINDOWED:
+            visible &= keys[None, :] >= low[:, None]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # A row that has seen no key yet keeps m = -inf: shift it by 0 (its weights are 0).
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - shift)
+        p = tl.exp2(scores - shift[:, None])  # [M, N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        if ROW_PRODUCTS:
+            acc += tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        else:
+            acc += tl.dot(p.to(MMA_DTYPE), v.to(MMA_DTYPE), input_precision=PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -211,9 +328,7 @@ def _paged_attention_kernel(
     INDIRECT, else the first q row), ``count`` rows, the key range, and the ``split`` the
     result goes to (its offset is split * stride_os). Causal (key_begin 0): row r of the
     tile sits at position key_end - count + r and sees keys up to it; else every row sees
-    the whole range. WINDOWED: a row sees no key before its low (own: position - window +
-    1; prefix: lows_ptr's entry), and the loop starts at the tile's lowest low: key tiles
-    before every row's window are skipped, not masked.
+    the whole range; WINDOWED rows see a sliding window of it (``_attend_keys``).
     """
     item = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -223,79 +338,22 @@ def _paged_attention_kernel(
     key_begin = tl.load(work_ptr + item * 6 + 3)
     key_end = tl.load(work_ptr + item * 6 + 4)
     split = tl.load(work_ptr + item * 6 + 5).to(tl.int64)
-
-    # Packed tile row m = (tile row r, head g of the KV head's group).
-    m = tl.arange(0, BLOCK_M)
-    r = m // GROUP
-    g = m % GROUP
-    row_valid = r < count  # [M]
-    if INDIRECT:
-        q_row = tl.load(rows_ptr + first + r, mask=row_valid, other=0).to(tl.int64)
-    else:
-        q_row = first + r
-    head = (kv_head * GROUP + g).to(tl.int64)  # [M]
-    dims = tl.arange(0, BLOCK_D)
-    dim_valid = dims < head_dim
+    r, q_row, head, row_valid, dims, dim_valid = _q_rows(
+        rows_ptr, kv_head, first, count, head_dim, GROUP, INDIRECT, BLOCK_M, BLOCK_D
+    )
     q_offsets = q_row[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd
     q_mask = row_valid[:, None] & dim_valid[None, :]
-    q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32)  # [M, D]
-    q = q.to(MMA_DTYPE)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, log2 units
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(score - m_i)
+    q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32).to(MMA_DTYPE)  # [M, D]
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    position = key_end - count + r  # [M] causal position of each packed row
-    kv_head64 = kv_head.to(tl.int64)
-    k_base = k_cache_ptr + kv_head64 * stride_kh
-    v_base = v_cache_ptr + kv_head64 * stride_vh
-    table_base = table_ptr + table * stride_table
-    loop_begin = key_begin
-    if WINDOWED:
-        if INDIRECT:
-            low = tl.load(lows_ptr + first + r, mask=row_valid, other=0)
-        else:
-            low = position - window + 1
-        low = tl.where(row_valid, low, key_end)  # [M]
-        loop_begin = tl.maximum(key_begin, tl.min(low, axis=0))
-    for start in range(loop_begin, key_end, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)  # [N] positions in the segment / request
-        key_valid = keys < key_end
-        block = tl.load(table_base + keys // block_size, mask=key_valid, other=0).to(tl.int64)
-        offset = (keys % block_size).to(tl.int64)
-        kv_mask = key_valid[:, None] & dim_valid[None, :]
-        k = tl.load(
-            k_base
-            + block[:, None] * stride_kb
-            + offset[:, None] * stride_ks
-            + dims[None, :] * stride_kd,
-            mask=kv_mask,
-            other=0.0,
-        ).to(tl.float32)  # [N, D]
-        v = tl.load(
-            v_base
-            + block[:, None] * stride_vb
-            + offset[:, None] * stride_vs
-            + dims[None, :] * stride_vd,
-            mask=kv_mask,
-            other=0.0,
-        ).to(tl.float32)  # [N, D]
-        scores = tl.dot(q, tl.trans(k.to(MMA_DTYPE)), input_precision=PRECISION) * scale  # [M, N]
-        if CAUSAL:
-            visible = key_valid[None, :] & (keys[None, :] <= position[:, None])
-        else:
-            visible = key_valid[None, :] & row_valid[:, None]
-        if WINDOWED:
-            visible &= keys[None, :] >= low[:, None]
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        # A row that has seen no key yet keeps m = -inf: shift it by 0 (its weights are 0).
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - shift)
-        p = tl.exp2(scores - shift[:, None])  # [M, N]
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        acc += tl.dot(p.to(MMA_DTYPE), v.to(MMA_DTYPE), input_precision=PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = _attend_keys(
+        q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_ptr, lows_ptr, kv_head, table, first,
+        count, key_begin, key_end, r, row_valid, dims, dim_valid, window, scale, block_size,
+        stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+        stride_table, INDIRECT, CAUSAL, WINDOWED, False, MMA_DTYPE, PRECISION, BLOCK_N, False,
+        BLOCK_N,
+    )  # fmt: skip
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -305,12 +363,7 @@ def _paged_attention_kernel(
     o_offsets = q_row[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od
     o_offsets += split * stride_os
     l_offsets = split * stride_ls + q_row * stride_lt + head * stride_lh
-    if MERGE:  # log-sum-exp merge with the state already there (fp32), as _merge_kernel
-        old_lse = tl.load(lse_ptr + l_offsets, mask=row_valid, other=float("-inf"))
-        old_out = tl.load(out_ptr + o_offsets, mask=q_mask, other=0.0).to(tl.float32)
-        out, lse = _merge_states(old_out, old_lse, out, lse)
-    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
-    tl.store(lse_ptr + l_offsets, lse, mask=row_valid)
+    _write_state(out_ptr, lse_ptr, o_offsets, l_offsets, out, lse, q_mask, row_valid, MERGE)
 
 
 @triton.jit
@@ -370,12 +423,7 @@ def _combine_splits_kernel(
     lse = tl.where(seen, shift + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
     out_offsets = row[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od
     lse_offsets = row * stride_lt + head * stride_lh
-    if MERGE:
-        old_lse = tl.load(lse_ptr + lse_offsets, mask=pair_valid, other=float("-inf"))
-        old_out = tl.load(out_ptr + out_offsets, mask=mask, other=0.0).to(tl.float32)
-        out, lse = _merge_states(old_out, old_lse, out, lse)
-    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(lse_ptr + lse_offsets, lse, mask=pair_valid)
+    _write_state(out_ptr, lse_ptr, out_offsets, lse_offsets, out, lse, mask, pair_valid, MERGE)
 
 
 @triton.jit
@@ -437,21 +485,7 @@ def _merge_kernel(
             mask=mask,
             other=0.0,
         ).to(tl.float32)
-        top = tl.maximum(a_lse, b_lse)
-        shift = tl.where(top == float("-inf"), 0.0, top)
-        a_weight = tl.exp(a_lse - shift)
-        b_weight = tl.exp(b_lse - shift)
-        total = a_weight + b_weight
-        lse = tl.where(
-            total > 0.0, shift + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf")
-        )
-        lse = tl.where(top == float("inf"), float("inf"), lse)
-        # lse - merged lse, as the reference weighs each part: 0 for a part with lse -inf.
-        merged_shift = tl.where(lse == float("-inf"), 0.0, lse)
-        a_weight = tl.exp(a_lse - merged_shift)
-        b_weight = tl.exp(b_lse - merged_shift)
-        out = tl.where(a_weight[:, None] > 0.0, a_weight[:, None] * a_out, 0.0)
-        out += tl.where(b_weight[:, None] > 0.0, b_weight[:, None] * b_out, 0.0)
+        out, lse = _merge_states(a_out, a_lse, b_out, b_lse)
     else:
         lse = a_lse
         a_weight = tl.exp(a_lse - tl.where(lse == float("-inf"), 0.0, lse))
@@ -533,21 +567,12 @@ def _invariant_attention_kernel(
     first = tl.load(work_ptr + item * 6 + 1).to(tl.int64)
     count = tl.load(work_ptr + item * 6 + 2)
     key_end = tl.load(work_ptr + item * 6 + 4)
-
-    m = tl.arange(0, BLOCK_M)
-    r = m // GROUP
-    g = m % GROUP
-    row_valid = r < count  # [M]
-    if INDIRECT:
-        q_row = tl.load(rows_ptr + first + r, mask=row_valid, other=0).to(tl.int64)
-    else:
-        q_row = first + r
-    head = (kv_head * GROUP + g).to(tl.int64)  # [M]
-    dims = tl.arange(0, BLOCK_D)
-    dim_valid = dims < head_dim
+    r, q_row, head, row_valid, dims, dim_valid = _q_rows(
+        rows_ptr, kv_head, first, count, head_dim, GROUP, INDIRECT, BLOCK_M, BLOCK_D
+    )
     q_mask = row_valid[:, None] & dim_valid[None, :]
     q_offsets = q_row[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd
-    q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32).to(MMA_DTYPE)
+    q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32).to(MMA_DTYPE)  # [M, D]
     state = q_row * num_heads + head  # [M]
     acc_offsets = state[:, None] * head_dim + dims[None, :]
     if LOAD_STATE:
@@ -558,67 +583,13 @@ def _invariant_attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
-    position = key_end - count + r  # [M] causal position of each packed row
-    kv_head64 = kv_head.to(tl.int64)
-    k_base = k_cache_ptr + kv_head64 * stride_kh
-    v_base = v_cache_ptr + kv_head64 * stride_vh
-    table_base = table_ptr + table * stride_table
-    columns = tl.arange(0, BLOCK_N)
-    loop_begin = key_end * 0
-    if WINDOWED:
-        if INDIRECT:
-            low = tl.load(lows_ptr + first + r, mask=row_valid, other=0)
-        else:
-            low = position - window + 1
-        low = tl.where(row_valid, low, key_end)  # [M]
-        # skip the steps before every row's window: the loop still starts on a step
-        loop_begin = tl.maximum(tl.min(low, axis=0), 0)
-        loop_begin = loop_begin - loop_begin % STEP_KEYS
-    for start in range(loop_begin, key_end, STEP_KEYS):
-        keys = start + columns  # [N] positions in the item
-        key_valid = (columns < STEP_KEYS) & (keys < key_end)
-        block = tl.load(table_base + keys // block_size, mask=key_valid, other=0).to(tl.int64)
-        offset = (keys % block_size).to(tl.int64)
-        kv_mask = key_valid[:, None] & dim_valid[None, :]
-        k = tl.load(
-            k_base
-            + block[:, None] * stride_kb
-            + offset[:, None] * stride_ks
-            + dims[None, :] * stride_kd,
-            mask=kv_mask,
-            other=0.0,
-        ).to(tl.float32)  # [N, D]
-        v = tl.load(
-            v_base
-            + block[:, None] * stride_vb
-            + offset[:, None] * stride_vs
-            + dims[None, :] * stride_vd,
-            mask=kv_mask,
-            other=0.0,
-        ).to(tl.float32)  # [N, D]
-        if ROW_PRODUCTS:
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [M, N]
-        else:
-            scores = tl.dot(q, tl.trans(k.to(MMA_DTYPE)), input_precision=PRECISION) * scale
-        if CAUSAL:
-            visible = key_valid[None, :] & (keys[None, :] <= position[:, None])
-        else:
-            visible = key_valid[None, :] & row_valid[:, None]
-        if WINDOWED:
-            visible &= keys[None, :] >= low[:, None]
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - shift)
-        p = tl.exp2(scores - shift[:, None])  # [M, N]
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        if ROW_PRODUCTS:
-            acc += tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        else:
-            acc += tl.dot(p.to(MMA_DTYPE), v.to(MMA_DTYPE), input_precision=PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = _attend_keys(
+        q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_ptr, lows_ptr, kv_head, table, first,
+        count, key_end * 0, key_end, r, row_valid, dims, dim_valid, window, scale, block_size,
+        stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+        stride_table, INDIRECT, CAUSAL, WINDOWED, True, MMA_DTYPE, PRECISION, STEP_KEYS,
+        ROW_PRODUCTS, BLOCK_N,
+    )  # fmt: skip
 
     if FINAL:
         seen = l_i > 0.0
@@ -661,8 +632,11 @@ def _check_batch_index(name: str, value: Tensor, ndim: int) -> None:
         raise ValueError(f"batch.{name} must be contiguous")
 
 
-def _tile_config(q: Tensor, max_rows: int, group: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) for one launch.
+def tile_config(
+    dtype: torch.dtype, head_dim: int, max_rows: int, group: int
+) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) for one launch on q of this dtype
+    and head_dim.
 
     BLOCK_M: packed rows (rows x heads of a group), the smallest power of two >= 16 that
     holds the batch's largest piece, up to a cap, and at least one group. The caps keep
@@ -670,23 +644,19 @@ def _tile_config(q: Tensor, max_rows: int, group: int) -> tuple[int, int, int, i
     128); fp32 (exact products on the FMA units, no tensor cores) 64 rows by 32 keys up
     to head_dim 64, 32 by 16 up to 128, 16 by 16 beyond.
     """
-    head_dim = q.shape[2]
     block_d = max(16, triton.next_power_of_2(head_dim))
-    if q.dtype == torch.float32:
+    if dtype == torch.float32:
         cap, block_n = (64, 32) if block_d <= 64 else (32, 16) if block_d <= 128 else (16, 16)
     else:
         cap, block_n = (128, 64) if block_d <= 128 else (64, 32)
     block_m = max(16, min(cap, triton.next_power_of_2(max(1, max_rows * group))))
     block_m = max(block_m, triton.next_power_of_2(group))
-    num_warps = 8 if q.dtype == torch.float32 or block_m * block_d >= 128 * 128 else 4
+    num_warps = 8 if dtype == torch.float32 or block_m * block_d >= 128 * 128 else 4
     return block_m, block_n, block_d, num_warps, 2
 
 
-def tile_config(dtype: torch.dtype, head_dim: int, max_rows: int, group: int) -> tuple:
-    """``_tile_config`` for a q of this dtype and head_dim (no tensor needed)."""
-    return _tile_config(
-        torch.empty((0, group, head_dim), dtype=dtype, device="meta"), max_rows, group
-    )
+def _tile_config(q: Tensor, max_rows: int, group: int) -> tuple[int, int, int, int, int]:
+    return tile_config(q.dtype, q.shape[2], max_rows, group)
 
 
 def preset_plan(
@@ -814,21 +784,22 @@ def own_work(
     return items[np.argsort(-key_end, kind="stable")].astype(np.int32)
 
 
-def _prefix_plan(batch: PrefixBatch, config: tuple, group: int, num_kv_heads: int) -> _Plan:
-    """``prefix_work`` on the batch's host fields, on its device."""
+def _prefix_plan(
+    batch: PrefixBatch, config: tuple, group: int, num_kv_heads: int, target: int | None = None
+) -> _Plan:
+    """``prefix_work`` on the batch's host fields, on its device, for ``target`` programs
+    (0: no key splits; by default the device's)."""
+    if target is None:
+        target = _target_programs(batch.rows.device)
     items, num_splits = prefix_work(
-        batch.host_row_start,
-        batch.host_lengths,
-        config[0] // group,
-        config[1],
-        _target_programs(batch.rows.device),
+        batch.host_row_start, batch.host_lengths, config[0] // group, config[1], target,
         num_kv_heads,
-    )
+    )  # fmt: skip
     return _Plan(config, _work_tensor(items, batch.rows.device), num_splits)
 
 
-def _own_plan(batch: OwnBatch, config: tuple, group: int, num_kv_heads: int) -> _Plan:
-    """``own_work`` on the batch's host fields, on its device."""
+def _own_plan(batch: OwnBatch, config: tuple, group: int, num_kv_heads: int, target=None) -> _Plan:
+    """``own_work`` on the batch's host fields, on its device (no key splits: no target)."""
     items = own_work(batch.host_query_start, batch.host_context_lens, config[0] // group)
     return _Plan(config, _work_tensor(items, batch.query_start.device), 1)
 
@@ -1148,10 +1119,6 @@ def invariant_batches(
     return own, batches
 
 
-def _invariant_key(q: Tensor, k_cache: Tensor, config: tuple) -> tuple:
-    return ("triton", "invariant", q.shape[1], k_cache.shape[2], q.shape[2], config)
-
-
 def preset_invariant_plan(
     batch: OwnBatch | PrefixBatch,
     *,
@@ -1171,20 +1138,12 @@ def preset_invariant_plan(
 
 
 def _invariant_plan(batch, q: Tensor, k_cache: Tensor, group: int, config: tuple) -> _Plan:
-    """The batch's work items for ``attend_invariant``, listed once (host fields only)."""
-    key = _invariant_key(q, k_cache, config)
+    """The batch's work items for ``attend_invariant`` (no key splits), listed once (host
+    fields only)."""
+    key = ("triton", "invariant", q.shape[1], k_cache.shape[2], q.shape[2], config)
     if key not in batch.derived:
-        rows_per_tile = config[0] // group
-        if isinstance(batch, OwnBatch):
-            items = own_work(batch.host_query_start, batch.host_context_lens, rows_per_tile)
-            device = batch.query_start.device
-        else:  # no key splits (no target programs)
-            items, _ = prefix_work(
-                batch.host_row_start, batch.host_lengths, rows_per_tile, config[1], 0,
-                k_cache.shape[2],
-            )  # fmt: skip
-            device = batch.rows.device
-        batch.derived[key] = _Plan(config, _work_tensor(items, device), 1)
+        plan_of = _own_plan if isinstance(batch, OwnBatch) else _prefix_plan
+        batch.derived[key] = plan_of(batch, config, group, k_cache.shape[2], 0)
     return batch.derived[key]
 
 

@@ -220,16 +220,7 @@ def qkv_rope_store(
 
 
 def _qkv_rope(
-    qkv: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    q_norm_weight: Tensor | None,
-    k_norm_weight: Tensor | None,
-    eps: float,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    store: tuple[Tensor, Tensor, Tensor] | None = None,
+    qkv, cos, sin, q_norm_weight, k_norm_weight, eps, num_heads, num_kv_heads, head_dim, store=None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Check, then one launch of ``_qkv_rope_kernel`` (storing to the cache when ``store``)."""
     num_heads = _check_count("num_heads", num_heads)

@@ -86,8 +86,8 @@ def _rope_heads(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """[ROWS, BLOCK_H, BLOCK_D] fp32: NUM heads [per-head RMSNormed], rotated, each op
-    rounded to DTYPE."""
+    """([ROWS, BLOCK_H, BLOCK_D] fp32: NUM heads [per-head RMSNormed], rotated, each op
+    rounded to DTYPE; the heads' index and mask)."""
     heads = tl.arange(0, BLOCK_H)[None, :, None]
     dims = tl.arange(0, BLOCK_D)[None, None, :]
     partner = (dims + HEAD_DIM // 2) % HEAD_DIM  # the element rotate_half brings to dims
@@ -103,7 +103,7 @@ def _rope_heads(
         x = _round(weight * _round(x * scale, DTYPE), DTYPE)
         x_partner = _round(weight_partner.to(tl.float32) * _round(x_partner * scale, DTYPE), DTYPE)
     rotated = tl.where(dims < HEAD_DIM // 2, -x_partner, x_partner)  # rotate_half(x)
-    return _round(_round(x * cos, DTYPE) + _round(rotated * sin, DTYPE), DTYPE)
+    return _round(_round(x * cos, DTYPE) + _round(rotated * sin, DTYPE), DTYPE), heads, mask
 
 
 @triton.jit(do_not_specialize=["tokens"])  # one build for any token count
@@ -156,18 +156,14 @@ def _qkv_rope_kernel(
     sin = tl.load(sin_ptr + token * stride_sin + dims, mask=table_mask, other=0.0)
     cos, sin = cos.to(tl.float32), sin.to(tl.float32)
     src = qkv_ptr + token * stride_qkv  # region map of a row: [q heads | k heads | v heads]
-    q = _rope_heads(src, row_valid, q_norm_ptr, cos, sin, eps, NUM_HEADS, HEAD_DIM, QK_NORM,
-                    DTYPE, BLOCK_Q, BLOCK_D)  # fmt: skip
-    heads = tl.arange(0, BLOCK_Q)[None, :, None]
-    mask = row_valid & (heads < NUM_HEADS) & (dims < HEAD_DIM)
+    q, heads, mask = _rope_heads(src, row_valid, q_norm_ptr, cos, sin, eps, NUM_HEADS, HEAD_DIM,
+                                 QK_NORM, DTYPE, BLOCK_Q, BLOCK_D)  # fmt: skip
     q_dst = q_ptr + token * (NUM_HEADS * HEAD_DIM) + heads * HEAD_DIM + dims
     tl.store(q_dst, q.to(q_ptr.dtype.element_ty), mask=mask)
 
     src = src + NUM_HEADS * HEAD_DIM
-    k = _rope_heads(src, row_valid, k_norm_ptr, cos, sin, eps, NUM_KV_HEADS, HEAD_DIM, QK_NORM,
-                    DTYPE, BLOCK_KV, BLOCK_D)  # fmt: skip
-    heads = tl.arange(0, BLOCK_KV)[None, :, None]
-    mask = row_valid & (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
+    k, heads, mask = _rope_heads(src, row_valid, k_norm_ptr, cos, sin, eps, NUM_KV_HEADS,
+                                 HEAD_DIM, QK_NORM, DTYPE, BLOCK_KV, BLOCK_D)  # fmt: skip
     offsets = heads * HEAD_DIM + dims  # [1, BLOCK_KV, BLOCK_D] within a row
     v = tl.load(src + NUM_KV_HEADS * HEAD_DIM + offsets, mask=mask, other=0.0)
     k, v = k.to(k_ptr.dtype.element_ty), v.to(v_ptr.dtype.element_ty)

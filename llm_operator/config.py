@@ -58,14 +58,12 @@ def physical_memory_bytes() -> int:
         return 8 * 2**30
 
 
-# Batch sizes where the engine options leave them to the engine (None): the CPU's, as
-# measured there (and the hf and vllm backends' everywhere); a GPU's come from batch_defaults.
+# Batch sizes where the options leave them to the engine (None): the CPU's (and the hf and
+# vllm backends' everywhere); a GPU's come from batch_defaults.
 DEFAULT_MAX_BATCH_SIZE = 256
 DEFAULT_PREFILL_BATCH_TOKENS = 4096
-# (GPU memory from which they apply, rows, tokens): larger batches keep a big GPU busy
-# (on an H200 a 1B model's 1,024-row job ran 3.7x faster at 1,024 rows and 16,384 tokens
-# than at 256 and 4,096); a decode step's logits ([rows, vocab] fp32) and a prefill step's
-# activations grow with them, which a small GPU cannot spare.
+# (GPU memory from which they apply, rows, tokens): larger batches keep a big GPU busy, but
+# their logits and activations need memory a small GPU cannot spare.
 GPU_BATCH_STEPS = ((70 * 2**30, 1024, 16384), (24 * 2**30, 512, 8192))
 
 
@@ -102,7 +100,6 @@ class EngineConfig:
         '"vllm" (needs vllm), "openai" (an OpenAI-compatible server at base_url), or '
         '"auto" (native where it runs, else hf)',
         check=one_of(*BACKENDS),
-        choices=BACKENDS,
     )
     device: str = option("auto", doc='"cpu", "cuda", "cuda:N" or "auto"', check=text)
     dtype: str = option(
@@ -162,7 +159,6 @@ class EngineConfig:
         "grammar's forced text as the tokenizer splits it (fewer steps; a value can differ), "
         '"off"',
         check=one_of("tokens", "text", "off"),
-        choices=("tokens", "text", "off"),
     )
     token_batching: bool = option(
         True,
@@ -176,7 +172,6 @@ class EngineConfig:
         doc='native: decode steps replayed as CUDA graphs, one per bucket of rows: "auto" '
         '(on for CUDA), "on", "off"',
         check=one_of("auto", "on", "off"),
-        choices=("auto", "on", "off"),
     )
     kernels: str = option(
         "auto",
@@ -186,14 +181,12 @@ class EngineConfig:
         'reference), or "auto" (cpp on the CPU in fp32/bf16, triton on CUDA, each after a '
         "self-check at start-up; torch where that fails, with a warning)",
         check=one_of("auto", "cpp", "triton", "torch"),
-        choices=("auto", "cpp", "triton", "torch"),
     )
     overlap: str = option(
         "auto",
         doc="native: schedule the next iteration while the device runs this one, for runs "
         'whose rows are all greedy: "auto" (on for CUDA), "on", "off"',
         check=one_of("auto", "on", "off"),
-        choices=("auto", "on", "off"),
     )
     profile_ops: bool = option(
         False,
@@ -272,7 +265,6 @@ class EngineConfig:
         doc='backend "openai": "completions" (token ids, the plan\'s exact prompt), "chat" '
         '(messages), or "auto" (completions on a vLLM server, else chat)',
         check=one_of("auto", "completions", "chat"),
-        choices=("auto", "completions", "chat"),
     )
     max_concurrency: int = option(
         32, doc='backend "openai": most requests in flight per worker', check=integer(1)
@@ -283,7 +275,6 @@ class EngineConfig:
         'cached groups first) or "table" (the table\'s order, as SynapseML and ai_query '
         "send it; an ablation)",
         check=one_of("plan", "table"),
-        choices=("plan", "table"),
     )
     request_timeout: float = option(
         600.0,

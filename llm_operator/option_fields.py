@@ -39,8 +39,8 @@ class OptionSpec:
     value to keep (normalized) or raises naming the option. cli: "value" (one typed value),
     "flag" (--x/--no-x), "append" (repeatable), "items" (repeatable KEY=VALUE into a
     mapping), or None (not on the command line); cli_type parses a "value" (default: int
-    for an int field, else str); choices: the values the command line accepts;
-    cli_default: a default the command line uses instead of the field's."""
+    for an int field, else str); choices: the values the command line accepts (those of a
+    ``one_of`` check); cli_default: a default the command line uses instead of the field's."""
 
     doc: str
     check: Check
@@ -57,14 +57,13 @@ def option(
     check: Check,
     cli: str | None = "value",
     cli_type: Callable[[str], Any] | None = None,
-    choices: tuple[str, ...] | None = None,
     cli_default: Any = SAME,
     repr: bool = True,  # noqa: A002 - dataclasses.field's name
 ) -> T:
     """A dataclass field for one option: ``name: type = option(default, doc=..., check=...)``.
 
     Typed as its default (a field of that default, for type checkers and editors)."""
-    spec = OptionSpec(doc, check, cli, cli_type, choices, cli_default)
+    spec = OptionSpec(doc, check, cli, cli_type, getattr(check, "choices", None), cli_default)
     field: Any = dataclasses.field(default=default, repr=repr, metadata={METADATA_KEY: spec})
     return field
 
@@ -74,18 +73,14 @@ def option_spec(field: dataclasses.Field) -> OptionSpec | None:
     return field.metadata.get(METADATA_KEY)
 
 
-_CHECKS: dict[type, tuple[tuple[str, Check], ...]] = {}  # per class, in field order
-
-
+@functools.cache
 def _checks(cls: type) -> tuple[tuple[str, Check], ...]:
-    checks = _CHECKS.get(cls)
-    if checks is None:
-        checks = _CHECKS[cls] = tuple(
-            (field.name, spec.check)
-            for field in dataclasses.fields(cls)
-            if (spec := option_spec(field)) is not None
-        )
-    return checks
+    """(name, check) of the class's options, in field order."""
+    return tuple(
+        (field.name, spec.check)
+        for field in dataclasses.fields(cls)
+        if (spec := option_spec(field)) is not None
+    )
 
 
 def check_fields(instance: Any) -> None:
@@ -203,6 +198,7 @@ def one_of(*choices: str) -> Check:
             raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
         return value
 
+    check.choices = choices  # type: ignore[attr-defined]  # the command line's (``option``)
     return check
 
 
@@ -214,26 +210,18 @@ def stop_strings(name: str, value: Any) -> tuple[str, ...]:
     return strings
 
 
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
+_SIZE_UNITS = {"": 1, "b": 1} | {  # kb = 10**3, kib = 2**10, ... tib = 2**40
+    prefix + unit: base**power
+    for power, prefix in enumerate("kmgt", start=1)
+    for unit, base in (("b", 10**3), ("ib", 2**10))
 }
 
 
 def parse_memory_size(value: int | str, *, name: str = "kv_cache_memory") -> int | None:
     """Bytes from an int or a string such as "2GiB" or "512 MB"; None for "auto"."""
+    message = f"{name} must be a number of bytes, a size such as '2GiB', or 'auto'; got {value!r}"
     if isinstance(value, bool):
-        raise TypeError(
-            f"{name} must be a number of bytes, a size such as '2GiB', or 'auto'; got {value!r}"
-        )
+        raise TypeError(message)
     if isinstance(value, int):
         if value <= 0:
             raise ValueError(f"{name} must be > 0 bytes, got {value!r}")
@@ -249,9 +237,7 @@ def parse_memory_size(value: int | str, *, name: str = "kv_cache_memory") -> int
             count = float(match.group(1)) * _SIZE_UNITS[match.group(2) or ""]
             if count >= 1:
                 return int(count)
-    raise ValueError(
-        f"{name} must be a number of bytes, a size such as '2GiB', or 'auto'; got {value!r}"
-    )
+    raise ValueError(message)
 
 
 def memory_size(name: str, value: Any) -> int | str:

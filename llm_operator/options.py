@@ -1,8 +1,7 @@
 """Every option of the library, as one table derived from the config classes' fields.
 
-An option is declared once, as a field of one of three frozen dataclasses, with its type,
-default and metadata (``llm_operator.option_fields.option``: one line of doc, its check,
-its command-line spelling):
+An option is declared once, as a field of one of three frozen dataclasses
+(``llm_operator.option_fields``):
 
 - ``engine``: ``EngineConfig`` (``llm_operator.config``), one ``LLMOperator``;
 - ``sampling``: ``SamplingParams`` (``llm_operator.sampling``), one row's sampling;
@@ -69,9 +68,7 @@ SCOPES = tuple(CLASSES)
 
 @dataclass(frozen=True)
 class Option:
-    """One option, read from its dataclass field. ``cli``: "value" (one typed value), "flag"
-    (--x/--no-x), "append" (repeatable), "items" (repeatable KEY=VALUE into a mapping), or
-    None (not on the CLI)."""
+    """One option: its field's name, scope, default and type, and its ``OptionSpec``."""
 
     name: str
     scope: str
@@ -92,30 +89,18 @@ class Option:
         return self.check(self.name, value)
 
 
-def _options_of(scope_name: str) -> tuple[Option, ...]:
-    options = []
-    for field in fields(CLASSES[scope_name]):
-        spec = option_spec(field)
-        if spec is None:
-            continue
-        options.append(
-            Option(
-                name=field.name,
-                scope=scope_name,
-                default=field.default,
-                doc=spec.doc,
-                check=spec.check,
-                annotation=field.type if isinstance(field.type, str) else repr(field.type),
-                cli=spec.cli,
-                cli_type=spec.cli_type,
-                choices=spec.choices,
-                cli_default=spec.cli_default,
-            )
-        )
-    return tuple(options)
-
-
-OPTIONS: tuple[Option, ...] = tuple(o for name in SCOPES for o in _options_of(name))
+OPTIONS: tuple[Option, ...] = tuple(
+    Option(
+        name=field.name,
+        scope=scope_name,
+        default=field.default,
+        annotation=field.type if isinstance(field.type, str) else repr(field.type),
+        **vars(spec),  # doc, check and the command line's spelling
+    )
+    for scope_name, cls in CLASSES.items()
+    for field in fields(cls)
+    if (spec := option_spec(field)) is not None
+)
 BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}
 
 
@@ -161,11 +146,7 @@ def keyword_signature(function: Callable, scopes: Iterable[str]) -> Callable:
 
 
 # -- the command line ---------------------------------------------------------------------
-GROUP_TITLES = {
-    "engine": "engine options",
-    "sampling": "sampling options",
-    "prompt": "prompt options",
-}
+GROUP_TITLES = {name: f"{name} options" for name in SCOPES}
 
 
 def add_arguments(parser: argparse.ArgumentParser, scopes: Iterable[str] = SCOPES) -> None:
@@ -183,14 +164,11 @@ def add_arguments(parser: argparse.ArgumentParser, scopes: Iterable[str] = SCOPE
             }
             if option.cli == "flag":
                 group.add_argument(option.flag, action=argparse.BooleanOptionalAction, **common)
-            elif option.cli == "append":
-                group.add_argument(option.flag, action="append", metavar="TEXT",
-                                   type=_parser_of(option),
-                                   **{**common, "help": help_text + "; repeatable"})  # fmt: skip
-            elif option.cli == "items":
-                flag = option.flag.removesuffix("s")  # --vllm-option KEY=VALUE
-                group.add_argument(flag, action="append", type=_parser_of(option),
-                                   metavar="KEY=VALUE",
+            elif option.cli in ("append", "items"):  # items: --vllm-option KEY=VALUE
+                items = option.cli == "items"
+                group.add_argument(option.flag.removesuffix("s") if items else option.flag,
+                                   action="append", type=_parser_of(option),
+                                   metavar="KEY=VALUE" if items else "TEXT",
                                    **{**common, "help": help_text + "; repeatable"})  # fmt: skip
             elif option.cli == "value":
                 group.add_argument(

@@ -11,11 +11,7 @@ context), "error" (the row could not run)."""
 
 
 class GenerationResult(NamedTuple):
-    """One input row's output.
-
-    finish_reason: "stop" (EOS or a stop string), "length" (max_tokens or the
-    model's context) or "error" (the row could not run; see ``error``).
-    """
+    """One input row's output (``finish_reason``: see ``FinishReason``; "error": see ``error``)."""
 
     text: str
     token_ids: tuple[int, ...]

@@ -1,14 +1,9 @@
 """The main job behind ``make demo``: classify the bundled reviews and tickets with SmolLM2.
 
-Each row's output is constrained to its task's labels (``SamplingParams(choices=...)``),
-so every answer names a label. ``compare_free`` also runs the same prompts as free
-generation (up to a newline, as the demo did before choices) and prints both side by
-side: how many answers name a label, and how many agree with the label a review's rating
-or category implies (``demo_data.gold_label``).
-
-Choices differ per task, and every engine runs all rows in one call: the local engine
-with one ``SamplingParams`` per row, Spark and Dask with each row's labels in a column
-(``llm_infer(..., choices_col="labels")``, the CLI's ``--choices-col``).
+Each row's output is constrained to its task's labels; every engine runs all rows in one
+call (local: a ``SamplingParams`` per row; Spark and Dask: each row's labels in a column,
+``choices_col="labels"``). ``compare_free`` also generates freely (up to a newline) and
+compares both with the label a review's rating or category implies (``gold_label``).
 """
 
 from __future__ import annotations
@@ -17,7 +12,6 @@ import copy
 import json
 import time
 from collections import Counter
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -106,15 +100,8 @@ def classify(
         sampling: dict[str, Any] = {"stop": DEMO_STOP}
         if choices:  # each row's task labels, from a column: one job over every task
             sampling = {"choices_col": "labels", "constraints": [row["labels"] for row in rows]}
-        results, seconds, stats, _ = generate(
-            prompts,
-            engine=engine,
-            model=model,
-            partitions=partitions,
-            max_tokens=DEMO_MAX_TOKENS,
-            **sampling,
-            **options,
-        )
+        where = dict(engine=engine, model=model, partitions=partitions, max_tokens=DEMO_MAX_TOKENS)
+        results, seconds, stats, _ = generate(prompts, **where, **sampling, **options)
     labels = [parse_label(r.text, row["labels"]) for r, row in zip(results, rows)]
     return Classified(results, labels, seconds, stats)
 
@@ -258,32 +245,22 @@ def _compare_static(op, rows: list[dict], free: Classified | None) -> None:
     batch_size = config.max_batch_size or DEFAULT_MAX_BATCH_SIZE
     token_ids = op.prepare(prompts, sampling).token_ids
     valid = [i for i, ids in enumerate(token_ids) if ids is not None]
-    static = _static_generate(
-        _hf_model(op),
-        op.tokenizer,
-        [token_ids[i] for i in valid],
-        max_tokens=DEMO_MAX_TOKENS,
-        batch_size=batch_size,
-        stop=DEMO_STOP,
-    )
+    prompt_ids = [token_ids[i] for i in valid]
+    static = _static_generate(_hf_model(op), op.tokenizer, prompt_ids, batch_size)
+    static_ids, static_prefilled, static_seconds = static
     ours = free.stats
-    differ = [
-        i for k, i in enumerate(valid) if list(free.results[i].token_ids) != static.token_ids[k]
-    ]
-    same = len(valid) - len(differ)
+    differ = [i for k, i in enumerate(valid) if list(free.results[i].token_ids) != static_ids[k]]
     print(f"\nside by side, free generation (same rows, batch size {batch_size}):")
     print(f"  {'system':<22}{'prefill tokens':>16}{'seconds':>10}{'rows/s':>10}")
+    for system, prefilled, seconds in (
+        ("hf-static (generate)", static_prefilled, static_seconds),
+        ("llm-operator " + op.backend_name, ours.prefill_tokens_computed, ours.generate_seconds),
+    ):
+        print(f"  {system:<22}{prefilled:>16}{seconds:>10.1f}{len(valid) / seconds:>10.2f}")
     print(
-        f"  {'hf-static (generate)':<22}{static.padded_prompt_tokens:>16}{static.seconds:>10.1f}"
-        f"{len(valid) / static.seconds:>10.2f}"
-    )
-    print(
-        f"  {'llm-operator ' + op.backend_name:<22}{ours.prefill_tokens_computed:>16}"
-        f"{ours.generate_seconds:>10.1f}{len(valid) / ours.generate_seconds:>10.2f}"
-    )
-    print(
-        f"  speed-up {static.seconds / ours.generate_seconds:.2f}x; "
-        f"identical outputs {same}/{len(valid)}; static real prompt tokens {static.prompt_tokens}"
+        f"  speed-up {static_seconds / ours.generate_seconds:.2f}x; identical outputs "
+        f"{len(valid) - len(differ)}/{len(valid)}; static real prompt tokens "
+        f"{sum(map(len, prompt_ids))}"
     )
     if differ:
         print(f"  rows whose tokens differ: {differ[:20]}")
@@ -300,19 +277,12 @@ def _hf_model(op):
     return load_causal_lm(op.model_info.path, device=backend.device, dtype=backend.dtype)
 
 
-class StaticRun(NamedTuple):
-    token_ids: list[list[int]]  # generated tokens per prompt, cut after the first EOS
-    prompt_tokens: int  # real prompt tokens prefilled
-    padded_prompt_tokens: int  # prompt positions computed, padding included
-    seconds: float
-
-
-def _static_generate(
-    model, tokenizer, prompts: list, *, max_tokens: int, batch_size: int, stop: Sequence[str]
-) -> StaticRun:
+def _static_generate(model, tokenizer, prompts: list, batch_size: int) -> tuple[list, int, float]:
     """What a user writes in a pandas UDF: greedy ``model.generate`` over ``prompts``
     (token ids), ``batch_size`` at a time in input order, left-padded, each batch run to
-    completion (the benchmark's ``hf-static`` baseline, for the demo's rows)."""
+    completion (the benchmark's ``hf-static`` baseline, for the demo's rows). Returns (the
+    tokens generated per prompt, cut after the first EOS; the prompt positions computed,
+    padding included; seconds)."""
     import torch
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -334,18 +304,16 @@ def _static_generate(
                 input_ids=input_ids.to(device),
                 attention_mask=mask.to(device),
                 generation_config=generation_config,
-                max_new_tokens=max_tokens,
+                max_new_tokens=DEMO_MAX_TOKENS,
                 do_sample=False,
                 pad_token_id=pad,
-                stop_strings=list(stop),
+                stop_strings=list(DEMO_STOP),
                 tokenizer=tokenizer,
             )
             for row in generated[:, width:].tolist():
-                row = row[:max_tokens]
-                cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
-                row = row[:cut]
+                row = row[:DEMO_MAX_TOKENS]
+                row = row[: next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))]
                 while row and row[-1] == pad and pad not in eos_ids:
                     row.pop()  # generate pads rows that ended on a stop string
                 outputs.append(row)
-    seconds = time.perf_counter() - started
-    return StaticRun(outputs, sum(len(p) for p in prompts), padded, seconds)
+    return outputs, padded, time.perf_counter() - started

@@ -108,15 +108,10 @@ def _task_from_json(entry: Mapping[str, Any]) -> DemoTask:
     missing = [field.name for field in fields(DemoTask) if field.name not in entry]
     if missing:
         raise ValueError(f"task {entry.get('name', '?')!r} lacks {', '.join(missing)}")
-    task = DemoTask(
-        name=str(entry["name"]),
-        source=str(entry["source"]),
-        labels=tuple(str(label) for label in entry["labels"]),
-        system=str(entry["system"]),
-        instructions=str(entry["instructions"]),
-        examples=tuple((str(ex["input"]), str(ex["label"])) for ex in entry["examples"]),
-        template=str(entry["template"]),
-    )
+    text = {k: str(entry[k]) for k in ("name", "source", "system", "instructions", "template")}
+    labels = tuple(str(label) for label in entry["labels"])
+    examples = tuple((str(ex["input"]), str(ex["label"])) for ex in entry["examples"])
+    task = DemoTask(**text, labels=labels, examples=examples)
     if not task.labels:
         raise ValueError(f"task {task.name!r} has no labels")
     if "\n" not in task.template or _PLACEHOLDER.search(task.answer_cue):
@@ -191,13 +186,12 @@ def gold_label(task: DemoTask, row: Mapping[str, Any]) -> str | None:
 def _demo_row(task: DemoTask, row: Mapping[str, Any]) -> dict:
     """One row of the demo job: ``row`` rendered for ``task``."""
     per_row = task.render(row)
-    user = task.user_prefix + per_row
     return {
         "id": str(row["id"]),
         "task": task.name,
         "input": per_row,
         "messages": [*_few_shot_messages(task), {"role": "user", "content": per_row}],
-        "prompt": f"{task.system}\n\n{user}",
+        "prompt": task.prompt_prefix + per_row,
         "labels": list(task.labels),
         "gold": gold_label(task, row),
     }

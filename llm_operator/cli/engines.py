@@ -48,7 +48,7 @@ def generate(
     if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
         raise ValueError(f"partitions must be an int >= 1, got {partitions!r}")
     from llm_operator.integrations.infer_options import make_options
-    from llm_operator.integrations.worker import get_operator
+    from llm_operator.integrations.worker import get_operator, run_partition
 
     checked = make_options(model=model, **options)  # every option checked before any work
     if checked.constraint_col is not None:
@@ -60,10 +60,7 @@ def generate(
     stats = co_location = None
     if engine == "local":
         operator = get_operator(checked)
-        if checked.constraint_col is not None:
-            from llm_operator.integrations.worker import run_partition
-
-            # each row's SamplingParams; a bad constraint value is that row's error
+        if checked.constraint_col is not None:  # a bad constraint value is that row's error
             results = run_partition(list(prompts), checked, label="local", constraints=constraints)
         else:
             chat_prompts = checked.prompts(list(prompts), operator.has_chat_template)

@@ -218,6 +218,8 @@ def _add_installed_commands(commands) -> None:
 
 TABLE_OPTIONS = ("template", "columns", "instruction", "reorder_fields", "dedupe")
 """Prompt options the CLI applies itself, to the whole table, before any engine runs."""
+GENERATE_ARGS = ("engine", "model", "partitions", "scheduler", "master")
+"""The arguments of ``engines.generate`` that ``run`` takes from its command line."""
 
 
 class Loaded(NamedTuple):
@@ -293,14 +295,10 @@ def command_run(args) -> int:
         computed = _computed(stats)
     if positions is not None:
         results = [results[i] for i in positions]
-    with_scores = bool(options.get("logprobs"))
-    with_choices = options.get("choices") is not None or options.get("choices_col") is not None
+    scores = bool(options.get("logprobs"))
+    choices = options.get("choices") is not None or options.get("choices_col") is not None
     table = add_result_columns(
-        table,
-        results,
-        args.output_col,
-        logprobs=with_scores,
-        choice_logprobs=with_scores and with_choices,
+        table, results, args.output_col, logprobs=scores, choice_logprobs=scores and choices
     )
     write_table(table, args.output)
     line = summary(results, seconds, args.engine, computed)
@@ -311,18 +309,9 @@ def command_run(args) -> int:
 
 
 def _generate(args, prompts: list, options: dict, constraints: list | None):
-    """``engines.generate`` on the command's engine (--engine, --partitions, --scheduler,
-    --master)."""
-    return engines.generate(
-        prompts,
-        engine=args.engine,
-        model=args.model,
-        partitions=args.partitions,
-        scheduler=args.scheduler,
-        master=args.master,
-        constraints=constraints,
-        **options,
-    )
+    """``engines.generate`` on the command's model and engine (``GENERATE_ARGS``)."""
+    where = {name: getattr(args, name) for name in GENERATE_ARGS}
+    return engines.generate(prompts, constraints=constraints, **where, **options)
 
 
 def _constraint_values(args, table, options: dict) -> tuple[dict, list | None]:
@@ -382,18 +371,9 @@ def _computed(stats) -> Computed | None:
     """The operator's RunStats as Computed (None on spark and dask)."""
     if stats is None:
         return None
-    server = (
-        stats.server_prompt_tokens,
-        stats.server_cached_tokens,
-        stats.server_completion_tokens,
-    )
-    return Computed(
-        stats.prefill_tokens_computed,
-        stats.output_tokens,
-        stats.generate_seconds,
-        server,
-        stats.engine_paths,
-    )
+    server = stats.server_prompt_tokens, stats.server_cached_tokens, stats.server_completion_tokens
+    computed = (stats.prefill_tokens_computed, stats.output_tokens, stats.generate_seconds)
+    return Computed(*computed, server, stats.engine_paths)
 
 
 def summary(results: list, seconds: float, engine: str, computed: Computed | None) -> str:

@@ -46,8 +46,7 @@ def read_table(path: str | Path, encoding: str | None = None) -> pa.Table:
     if fmt == "csv":
         import pyarrow.csv as pacsv
 
-        options = pacsv.ReadOptions(encoding=encoding or "utf8")
-        return pacsv.read_csv(path, read_options=options)
+        return pacsv.read_csv(path, read_options=pacsv.ReadOptions(encoding=encoding or "utf8"))
     import pyarrow.json as pajson
 
     if encoding is None or encoding == "utf-8":

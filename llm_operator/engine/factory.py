@@ -31,11 +31,9 @@ def max_context(info: ModelInfo, backend_name: str) -> int:
 def invariant_kernels(config: EngineConfig, backend_name: str) -> bool:
     """Whether a run takes the batch-invariant kernels: ``deterministic`` resolved for the
     backend that runs. None (the default): on for the native engine on a CPU without AMX,
-    where they measured as fast as the fastest kernels per shape; off on CPUs with AMX
-    (whose oneDNN bf16 GEMMs the packed kernel does not match; not measured) and on GPUs
-    (opt in: the Triton attention's invariant mode, not measured). True: the compiled CPU
-    kernels (attention and linears), or on the Triton kernels their invariant attention
-    (``native_paths`` says what it covers there); with another backend: ValueError."""
+    off on CPUs with AMX and on GPUs (opt in). True: the compiled CPU kernels (attention
+    and linears), or on the Triton kernels their invariant attention (``native_paths`` says
+    what it covers there); with another backend: ValueError."""
     from llm_operator.config import NOT_INVARIANT
 
     if config.deterministic is False:
@@ -164,8 +162,7 @@ def native_paths(config: EngineConfig, model, device: torch.device, dtype: torch
         attention = "torch"
     elementwise = "eager"
     if attention == "triton":
-        reason = _triton_fused_failure(device, dtype, c)
-        if reason is None:
+        if (reason := _triton_fused_failure(device, dtype, c)) is None:
             elementwise = "triton"
         else:
             fallbacks.append(f"Triton elementwise kernels failed their self-check: {reason}")
@@ -197,20 +194,16 @@ def native_paths(config: EngineConfig, model, device: torch.device, dtype: torch
                 RuntimeWarning,
                 stacklevel=3,
             )
-    onednn_rows = None
-    if gemm == "packed" and dtype == torch.bfloat16 and not invariant and _has_amx():
-        onednn_rows = ONEDNN_ROWS
-    forward = "eager"
-    if gemm == "packed" and cpu_decoder.unsupported(model) is None:
-        forward = "compiled"
+    packed = gemm == "packed"
+    amx_bf16 = packed and dtype == torch.bfloat16 and not invariant and _has_amx()
     return EnginePaths(
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
         attention=attention,
-        forward=forward,
+        forward="compiled" if packed and cpu_decoder.unsupported(model) is None else "eager",
         elementwise=elementwise,
         gemm=gemm,
-        onednn_rows=onednn_rows,
+        onednn_rows=ONEDNN_ROWS if amx_bf16 else None,
         graphs=_graphs(config, c, attention, device),
         overlap=config.overlap == "on" or (config.overlap == "auto" and device.type == "cuda"),
         invariant=invariant,

@@ -18,7 +18,8 @@ from __future__ import annotations
 import gc
 from collections import Counter
 from collections.abc import Collection, Sequence
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -47,34 +48,24 @@ class Backend(Protocol):
     def start(self, run: Run) -> Steps: ...
 
 
+@dataclass(eq=False, slots=True)
 class Request:
     """A planned request's state: what it samples with, what it has produced."""
 
-    __slots__ = (
-        "planned", "params", "seed", "decoder", "constraint", "forced", "logprob", "output",
-        "jumped", "plain",
-    )  # fmt: skip
+    planned: PlannedRequest
+    params: SamplingParams
+    seed: int | None  # sampled rows only: derived from seed and prompt (``request_seeds``)
+    decoder: RowDecoder
+    constraint: Any = None  # constraints.ChoiceState | GrammarState | None
+    forced: tuple[int, ...] | None = None  # scoring requests: the tokens to feed (and score)
+    logprob: float = 0.0  # unconstrained log-probability of the tokens so far
+    output: RequestOutput | None = None
+    jumped: list[int] = field(default_factory=list)  # jump-forward's, after the last sample
+    # no constraint, forced tokens, logprobs or stop strings: ``Run.append_plain`` applies
+    plain: bool = field(init=False)
 
-    def __init__(
-        self,
-        planned: PlannedRequest,
-        params: SamplingParams,
-        seed: int | None,
-        decoder: RowDecoder,
-        constraint=None,
-        forced: tuple[int, ...] | None = None,
-    ) -> None:
-        self.planned = planned
-        self.params = params
-        self.seed = seed  # sampled rows only: derived from seed and prompt (``request_seeds``)
-        self.decoder = decoder
-        self.constraint = constraint  # constraints.ChoiceState | GrammarState | None
-        self.forced = forced  # scoring requests: the tokens to feed (and score) instead
-        self.logprob = 0.0  # unconstrained log-probability of the tokens so far
-        self.output: RequestOutput | None = None
-        self.jumped: list[int] = []  # tokens jump-forward appended after the last sample
-        # no constraint, forced tokens, logprobs or stop strings: ``Run.append_plain`` applies
-        self.plain = not self.special and not params.stop
+    def __post_init__(self) -> None:
+        self.plain = not self.special and not self.params.stop
 
     @property
     def special(self) -> bool:

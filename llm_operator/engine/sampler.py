@@ -18,13 +18,9 @@ from llm_operator.sampling import SamplingParams
 def row_seed(seed: int, prompt_token_ids: Sequence[int], occurrence: int = 0) -> int:
     """The generator seed of one row: a hash of the base seed, the prompt and
     which occurrence of that prompt (within one call) the row is."""
-    digest = hashlib.blake2b(digest_size=8)
-    digest.update(str(seed).encode())
-    digest.update(b"|")
-    digest.update(str(occurrence).encode())
-    digest.update(b"|")
-    digest.update(",".join(map(str, prompt_token_ids)).encode())
-    return int.from_bytes(digest.digest(), "little") & 0x7FFF_FFFF_FFFF_FFFF
+    text = f"{seed}|{occurrence}|{','.join(map(str, prompt_token_ids))}"
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
 # -- batched sampling on the logits' device ---------------------------------------------

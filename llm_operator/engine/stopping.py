@@ -57,12 +57,9 @@ class RowDecoder:
             (i for i in (text.find(s, search_from) for s in self.params.stop) if i >= 0),
             default=-1,
         )
-        self.text = text
-        if cut >= 0:
-            self.text = text[:cut]
-            self._cut_at_stop_string = True
-            return True
-        return False
+        self.text = text if cut < 0 else text[:cut]
+        self._cut_at_stop_string = cut >= 0
+        return cut >= 0
 
     def end_with(self, reason: str, text: str) -> None:
         """The engine that produced the tokens ended the row first, with this text."""

@@ -1,15 +1,10 @@
 """Calibration: what an iteration costs on this machine, measured once and cached.
 
-``calibrate(op)`` runs a few synthetic jobs on the operator's backend (random token ids,
-EOS ignored, so every row's length is known): prefill chunks of a few sizes, one prompt
-long enough for attention to matter, decode steps of 1, 8 and 32 rows over short and long
-contexts. Each job is also replayed (``replay.replay``) to get its iterations' features;
-a ``CostModel`` is fitted to the measured seconds: per iteration on the native backend
-(its profile lists every step), per job elsewhere.
-
-The result is cached as JSON under ``<cache_dir>/calibration/`` keyed by the model
-(its resolved path and config), backend, dtype, device, CPU, torch threads, the schedule
-settings and this library's version: a later estimate on the same machine reuses it.
+``calibrate(op)`` runs synthetic jobs (``calibration_jobs``: random token ids, EOS ignored, so
+every row's length is known) on the operator's backend and replays each to get its
+iterations' features; a ``CostModel`` is fitted to the measured seconds: per iteration on the
+native backend (its profile lists every step), per job elsewhere. The result is cached as
+JSON under ``<cache_dir>/calibration/``, keyed by what it depends on (``calibration_key``).
 """
 
 from __future__ import annotations
@@ -25,19 +20,12 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from llm_operator.estimate.cost import CostModel, chunk_features, iteration_total
+from llm_operator.estimate.cost import FEATURES, CostModel, chunk_features, iteration_total
 from llm_operator.estimate.replay import ScheduleSettings, replay
 
 CALIBRATION_VERSION = 8
 """Raise when the features, the jobs or the fit change (cached calibrations then rerun)."""
-JOB_FEATURES = (
-    "iterations",
-    "tokens",
-    "sampled",
-    "prefill_attention",
-    "decode_own_keys",
-    "decode_shared_keys",
-)
+JOB_FEATURES = tuple(name for name in FEATURES if name not in ("first_tokens", "chunks"))
 """The features fitted to whole jobs' seconds (no per-chunk cost: too few totals)."""
 
 
@@ -90,10 +78,9 @@ def schedule_settings(op, backend) -> ScheduleSettings:
         engine = backend.engine()
         options = backend.engine_options()
         block = int(engine.block_size or 16)
+        batched = options.get("max_num_batched_tokens") or config.prefill_batch_tokens
         return ScheduleSettings(
-            max_batched_tokens=int(
-                options.get("max_num_batched_tokens") or config.prefill_batch_tokens
-            ),
+            max_batched_tokens=int(batched),
             max_running=int(options.get("max_num_seqs") or config.max_batch_size),
             block_size=block,
             num_blocks=max(1, int(engine.kv_blocks or 1) - 1),

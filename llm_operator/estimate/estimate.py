@@ -88,15 +88,14 @@ class Estimate:
     def report(self) -> str:
         """The estimate as lines a person reads."""
         c = self.calibration
+        rows = self.sample_rows
+        sampled = f"  (predicted from {rows} sampled row{'s' if rows != 1 else ''})" if rows else ""
         lines = [
             f"estimate ({self.backend}, {self.dtype}, {self.device}; {c.get('cpu', '')})",
             f"  rows               {self.rows:>12,}  ({self.error_rows:,} would fail before the model)",
             f"  prompt tokens      {self.prompt_tokens:>12,}",
             f"  prefill computed   {self.prefill_tokens:>12,}",
-            f"  output tokens      {self.output_tokens:>12,}  (predicted from {self.sample_rows} "
-            f"sampled row{'s' if self.sample_rows != 1 else ''})"
-            if self.sample_rows
-            else f"  output tokens      {self.output_tokens:>12,}",
+            f"  output tokens      {self.output_tokens:>12,}{sampled}",
             f"  iterations         {self.iterations:>12,}",
             f"  time, one machine  {_duration(self.seconds):>12}  "
             f"(range {_duration(self.low_seconds)} - {_duration(self.high_seconds)}), "
@@ -110,12 +109,10 @@ class Estimate:
         else:
             lines.append(f"  machine-hours      {self.machine_hours:>12.4f}")
         calibrated = "cached" if c.get("cached") else f"{c.get('seconds', 0.0):.1f} s"
+        load = f", model load {self.load_seconds:.1f} s" if self.load_seconds else ""
         lines.append(
             f"  this estimate      {_duration(self.estimate_seconds):>12}  "
-            f"(calibration {calibrated}, "
-            f"sample {self.sample_seconds:.1f} s"
-            + (f", model load {self.load_seconds:.1f} s" if self.load_seconds else "")
-            + ")"
+            f"(calibration {calibrated}, sample {self.sample_seconds:.1f} s{load})"
         )
         if self.sample_rows and self.sample_predicted_seconds > 0:
             lines.append(
@@ -123,15 +120,11 @@ class Estimate:
                 "(measured / predicted seconds of the sample run)"
             )
         if rates := c.get("rates", {}):
+            prefill = rates.get("prefill_tokens_per_s_chunk_4096", 0)
+            steps = [rates.get(f"decode_step_ms_{n}_rows_512_context", 0) for n in (1, 32, 128)]
             lines.append(
-                "  calibration        "
-                f"prefill {rates.get('prefill_tokens_per_s_chunk_4096', 0):,.0f} tokens/s (4096-token chunks), "
-                "decode "
-                + " / ".join(
-                    f"{rates.get(f'decode_step_ms_{rows}_rows_512_context', 0):.1f}"
-                    for rows in (1, 32, 128)
-                )
-                + " ms a step (1 / 32 / 128 rows)"
+                f"  calibration        prefill {prefill:,.0f} tokens/s (4096-token chunks), decode "
+                f"{' / '.join(f'{ms:.1f}' for ms in steps)} ms a step (1 / 32 / 128 rows)"
             )
         lines.extend(f"  assumes: {assumption}" for assumption in self.assumptions)
         return "\n".join(lines)

@@ -2,16 +2,9 @@
 
 The native scheduler is pure Python and deterministic given how many tokens each request
 samples, so ``replay`` drives the real ``Scheduler`` over the plan with a stand-in for the
-model: a request is sampled ``samples[request_id]`` times, then finishes. Each iteration's
-chunks become ``cost.FEATURES``; the cost model turns them into seconds.
-
-    samples: one count per planned request: tokens it samples (an EOS that ends it counts)
-    replay(plan, samples, settings) -> Replay (feature totals, iterations, token counts)
-
-Other backends are replayed with the same scheduler under their own settings
-(``ScheduleSettings``): vLLM's token budget, running-row limit and KV blocks, and its
-prefix cache reusing whole blocks only (``reuse_block_size``: a request recomputes the
-part of its shared prefix past the last whole block).
+model: a request is sampled ``samples[request_id]`` times (an EOS that ends it counts), then
+finishes. Each iteration's chunks become ``cost.FEATURES``; the cost model turns them into
+seconds. Other backends are replayed under their own ``ScheduleSettings``.
 """
 
 from __future__ import annotations
@@ -63,11 +56,7 @@ def num_blocks_for(plan: Plan, budget_blocks: int, block_size: int) -> int:
 
 
 def replay(
-    plan: Plan,
-    samples: Sequence[int],
-    settings: ScheduleSettings,
-    *,
-    keep_steps: bool = False,
+    plan: Plan, samples: Sequence[int], settings: ScheduleSettings, *, keep_steps: bool = False
 ) -> Replay:
     """Run the scheduler over ``plan``; request ``i`` samples ``samples[i]`` (>= 1) tokens."""
     assert len(samples) == len(plan.requests), "one sample count per planned request"

@@ -1,11 +1,9 @@
 """The native model's decoder layers in one compiled call per step (CPU, fp32/bf16).
 
-Eagerly, a decode step of SmolLM2 makes ~330 calls from Python (per layer: two norms, four
-linears, RoPE, the K/V store, attention, SiLU); at one row that host work was a quarter of
-the step. ``CompiledDecoder`` hands the whole stack to ``decoder_forward`` in
-``kernels/cpu_kernels.cpp``, which runs the same arithmetic (Hugging Face's roundings, the
-packed GEMM, the paged attention) layer after layer without returning to Python. The
-embedding lookup, the RoPE tables and the LM head stay in Python (once per step).
+``CompiledDecoder`` hands the whole stack to ``decoder_forward`` in
+``kernels/cpu_kernels.cpp``, which runs the eager forward's arithmetic (Hugging Face's
+roundings, the packed GEMM, the paged attention) layer after layer without returning to
+Python. The embedding lookup, the RoPE tables and the LM head stay in Python.
 
 The engine runs it where the eager forward would take the same kernels
 (``engine.factory.native_paths`` decides, with ``unsupported``): the compiled CPU kernels

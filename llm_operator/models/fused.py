@@ -78,32 +78,10 @@ class FusedOps:
     """The three regions, and the first layer's input norm (``rms_norm``), eagerly (this
     class) or as Triton kernels (``triton_ops.TritonOps``): same contract."""
 
-    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        return rms_norm(x, weight, eps)
-
-    def add_rms_norm(
-        self, hidden: Tensor, delta: Tensor, weight: Tensor, eps: float
-    ) -> tuple[Tensor, Tensor]:
-        return add_rms_norm(hidden, delta, weight, eps)
-
-    def qkv_rope(
-        self,
-        qkv: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        q_norm_weight: Tensor | None,
-        k_norm_weight: Tensor | None,
-        eps: float,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        return qkv_rope(
-            qkv, cos, sin, q_norm_weight, k_norm_weight, eps, num_heads, num_kv_heads, head_dim
-        )
-
-    def silu_mul(self, gate_up: Tensor) -> Tensor:
-        return silu_mul(gate_up)
+    rms_norm = staticmethod(rms_norm)
+    add_rms_norm = staticmethod(add_rms_norm)
+    qkv_rope = staticmethod(qkv_rope)
+    silu_mul = staticmethod(silu_mul)
 
 
 EAGER_OPS = FusedOps()

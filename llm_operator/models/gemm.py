@@ -4,16 +4,12 @@
             weight packed once at load time (``pack_weight``) as one stream per 16 output
             columns. It reduces each output over k in the same order at every row count,
             so a row gets the same bits alone or among 1,000 (the batch-invariant mode
-            relies on it). On a 2-core AMD EPYC it streamed SmolLM2's fp32 weights at
-            ~29 GB/s for one decode row where oneDNN reached ~14, and ran 1.2-1.5x
-            oneDNN's at 16-1,024 rows; a per-shape timed choice among aten, oneDNN and
-            this kernel took 1.10-1.15x its time and went.
+            relies on it).
     aten    ``F.linear``: GPUs, and the torch path on the CPU.
 
-One exception, kept without a measurement since the timed choice went: on a CPU with AMX
-and bf16 weights, outside the batch-invariant mode, steps of at least ``onednn_rows`` rows
-take oneDNN's linear (AMX tiles, which the packed kernel does not use); decode-sized steps
-keep the packed kernel. ``engine.factory.native_paths`` decides all of it.
+On a CPU with AMX and bf16 weights, outside the batch-invariant mode, steps of at least
+``onednn_rows`` rows take oneDNN's linear (AMX tiles, which the packed kernel does not
+use). ``engine.factory.native_paths`` decides all of it.
 """
 
 from __future__ import annotations

@@ -34,14 +34,8 @@ def read_model_info(path: Path, tokenizer, *, trust_remote_code: bool = False) -
     )
     max_context = model_context_length(config, tokenizer)
     unsupported, native_max_context = _native_support(config, max_context)
-    return ModelInfo(
-        Path(path),
-        config,
-        max_context,
-        eos_token_ids(load_generation_config(path), tokenizer),
-        unsupported,
-        native_max_context,
-    )
+    eos = eos_token_ids(load_generation_config(path), tokenizer)
+    return ModelInfo(Path(path), config, max_context, eos, unsupported, native_max_context)
 
 
 def model_context_length(config, tokenizer) -> int:

@@ -33,6 +33,7 @@ Gemma 2 soft-caps the attention scores (torch attention only) and the logits.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -118,9 +119,6 @@ class NativeConfig:
         windows = {w for w in self.layer_windows if w is not None}
         return max(windows) if windows else None
 
-    def window_of(self, layer: int) -> int | None:
-        return self.layer_windows[layer] if layer < len(self.layer_windows) else None
-
 
 def native_config(hf_config: Any) -> NativeConfig:
     """Read a transformers config; ValueError for model types and features the engine lacks."""
@@ -160,12 +158,9 @@ def native_config(hf_config: Any) -> NativeConfig:
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     if num_heads % num_kv_heads:
         raise ValueError(f"num_attention_heads={num_heads} is not a multiple of {num_kv_heads=}")
-    if model_type == "qwen2":
-        attention_bias = True
-    elif model_type in ("mistral", "phi3"):
-        attention_bias = False
-    else:
-        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+    attention_bias = bool(getattr(hf_config, "attention_bias", False))
+    if model_type in ("qwen2", "mistral", "phi3"):  # the config's value does not apply
+        attention_bias = model_type == "qwen2"
     scalar = getattr(hf_config, "query_pre_attn_scalar", None) if gemma else None
     return NativeConfig(
         model_type=model_type,
@@ -270,6 +265,17 @@ def gemma_add_norm(
     return hidden, gemma_norm(hidden, weight, eps)
 
 
+def _gemma_qkv_rope(qkv, cos, sin, q_norm, k_norm, eps, heads, kv_heads, dim):
+    """``fused.qkv_rope`` with Gemma's q/k norms (``gemma_norm``), eagerly: (q, k, v)."""
+    tokens = qkv.shape[0]
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim)
+    if q_norm is not None and k_norm is not None:
+        q, k = gemma_norm(q, q_norm, eps), gemma_norm(k, k_norm, eps)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    return q.contiguous(), k.contiguous(), v.reshape(tokens, kv_heads, dim).contiguous()
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention block then pre-norm SwiGLU MLP, each with a residual add.
 
@@ -283,6 +289,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.config = config
         self.layer_index = layer_index
+        self.heads = (config.num_heads, config.num_kv_heads, config.head_dim)
         hidden, dim, eps = config.hidden_size, config.head_dim, config.rms_norm_eps
         qkv_size = (config.num_heads + 2 * config.num_kv_heads) * dim
         norm = GemmaNorm if config.gemma else RMSNorm
@@ -318,31 +325,24 @@ class DecoderLayer(nn.Module):
         the caller forms inside its next norm (``ops.add_rms_norm``).
         """
         config = self.config
-        if config.gemma:
-            return self._gemma_forward(hidden, delta, cos, sin, attention, ops)
-        tokens = hidden.shape[0]
-        eps = config.rms_norm_eps
+        gemma, tokens, eps = config.gemma, hidden.shape[0], config.rms_norm_eps
+        norm = functools.partial(gemma_norm, ops=ops) if gemma else ops.rms_norm
+        add_norm = functools.partial(gemma_add_norm, ops=ops) if gemma else ops.add_rms_norm
         if delta is None:  # the first layer: once per forward
-            normed = ops.rms_norm(hidden, self.input_layernorm.weight, eps)
+            normed = norm(hidden, self.input_layernorm.weight, eps)
         else:
-            hidden, normed = ops.add_rms_norm(hidden, delta, self.input_layernorm.weight, eps)
+            hidden, normed = add_norm(hidden, delta, self.input_layernorm.weight, eps)
         qkv = self.qkv_proj(normed)  # [T, (heads + 2 * kv_heads) * dim]
-        q_norm, k_norm = self.q_norm, self.k_norm
-        rope = (
-            qkv,
-            cos,
-            sin,
-            None if q_norm is None else q_norm.weight,
-            None if k_norm is None else k_norm.weight,
-            eps,
-            config.num_heads,
-            config.num_kv_heads,
-            config.head_dim,
-        )
-        if config.partial_rotary:  # the fused regions rotate whole heads: eagerly here
+        q_norm = None if self.q_norm is None else self.q_norm.weight
+        k_norm = None if self.k_norm is None else self.k_norm.weight
+        rope = (qkv, cos, sin, q_norm, k_norm, eps, *self.heads)
+        if gemma and (hidden.dtype != torch.float32 or config.partial_rotary):
+            q, k, v = _gemma_qkv_rope(*rope)  # Gemma's arithmetic, eagerly
+            out = attention(self.layer_index, q, k, v)
+        elif config.partial_rotary:  # the fused regions rotate whole heads: eagerly here
             q, k, v = fused.qkv_rope(*rope)
             out = attention(self.layer_index, q, k, v)
-        elif fused_store:
+        elif fused_store and not gemma:
             # one launch splits qkv, rotates q and k and stores k, v in the paged cache
             q = ops.qkv_rope_store(*rope, *attention.cache(self.layer_index))[0]  # [T, heads, dim]
             out = attention.attend(self.layer_index, q)  # [T, heads, dim]
@@ -351,11 +351,16 @@ class DecoderLayer(nn.Module):
             out = attention(self.layer_index, q, k, v)  # [T, heads, dim]
         assert out.shape == q.shape, f"attention returned {tuple(out.shape)}, want {tuple(q.shape)}"
         attended = self.o_proj(out.reshape(tokens, config.num_heads * config.head_dim))
-        hidden, normed = ops.add_rms_norm(
-            hidden, attended, self.post_attention_layernorm.weight, eps
-        )
-        gate_up = self.gate_up_proj(normed)  # [T, 2 * intermediate]
-        return hidden, self.down_proj(self._activate(gate_up, ops))
+        if gemma:  # Gemma: norms after the attention and the MLP, and one before the MLP
+            attended = norm(attended, self.post_attention_layernorm.weight, eps)
+            mlp_norm = self.pre_feedforward_layernorm.weight
+        else:
+            mlp_norm = self.post_attention_layernorm.weight
+        hidden, normed = add_norm(hidden, attended, mlp_norm, eps)
+        mlp = self.down_proj(self._activate(self.gate_up_proj(normed), ops))  # [T, hidden]
+        if gemma:
+            mlp = norm(mlp, self.post_feedforward_layernorm.weight, eps)
+        return hidden, mlp
 
     def projections(self) -> tuple[Linear, Linear, Linear, Linear]:
         """qkv_proj, o_proj, gate_up_proj, down_proj."""
@@ -367,46 +372,6 @@ class DecoderLayer(nn.Module):
             return ops.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.act_fn(gate) * up
-
-    def _gemma_forward(
-        self,
-        hidden: Tensor,
-        delta: Tensor | None,
-        cos: Tensor,
-        sin: Tensor,
-        attention: AttentionFn,
-        ops: FusedOps,
-    ) -> tuple[Tensor, Tensor]:
-        """``forward`` of a Gemma layer: norms before and after the attention and the MLP
-        (``GemmaNorm``), the MLP's output normed before the caller's residual add."""
-        config = self.config
-        eps, tokens = config.rms_norm_eps, hidden.shape[0]
-        if delta is None:
-            normed = gemma_norm(hidden, self.input_layernorm.weight, eps, ops)
-        else:
-            hidden, normed = gemma_add_norm(hidden, delta, self.input_layernorm.weight, eps, ops)
-        qkv = self.qkv_proj(normed)
-        heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
-        q_norm = None if self.q_norm is None else self.q_norm.weight
-        k_norm = None if self.k_norm is None else self.k_norm.weight
-        if hidden.dtype == torch.float32 and not config.partial_rotary:  # Gemma's arithmetic
-            q, k, v = ops.qkv_rope(qkv, cos, sin, q_norm, k_norm, eps, heads, kv_heads, dim)
-        else:
-            q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-            q, k = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim)
-            if q_norm is not None and k_norm is not None:
-                q, k = gemma_norm(q, q_norm, eps), gemma_norm(k, k_norm, eps)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            q, k = q.contiguous(), k.contiguous()
-            v = v.reshape(tokens, kv_heads, dim).contiguous()
-        out = attention(self.layer_index, q, k, v)  # [T, heads, dim]
-        attended = self.o_proj(out.reshape(tokens, heads * dim))
-        attended = gemma_norm(attended, self.post_attention_layernorm.weight, eps, ops)
-        hidden, normed = gemma_add_norm(
-            hidden, attended, self.pre_feedforward_layernorm.weight, eps, ops
-        )
-        mlp = self.down_proj(self._activate(self.gate_up_proj(normed), ops))
-        return hidden, gemma_norm(mlp, self.post_feedforward_layernorm.weight, eps, ops)
 
 
 def _has_o_proj_bias(config: NativeConfig) -> bool:
@@ -427,24 +392,20 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, index, config.hidden_act) for index in range(config.num_layers)
         )
-        self.norm = (GemmaNorm if config.gemma else RMSNorm)(
-            config.hidden_size, config.rms_norm_eps
-        )
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
-        if config.local_rope:  # per layer type: full attention's, and the sliding layers'
-            self.rotary = RotaryEmbedding(
-                *rope_inverse_frequencies(hf_config, config.head_dim, "full_attention")
+        norm = GemmaNorm if config.gemma else RMSNorm
+        self.norm = norm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+        def rotary(layer_type: str | None = None) -> RotaryEmbedding:
+            return RotaryEmbedding(
+                *rope_inverse_frequencies(hf_config, config.head_dim, layer_type)
             )
-            self.local_rotary = RotaryEmbedding(
-                *rope_inverse_frequencies(hf_config, config.head_dim, "sliding_attention")
-            )
-        else:
-            self.rotary = RotaryEmbedding(*rope_inverse_frequencies(hf_config, config.head_dim))
-            self.local_rotary = None
+
+        local = config.local_rope  # per layer type: full attention's, and the sliding layers'
+        self.rotary = rotary("full_attention" if local else None)
+        self.local_rotary = rotary("sliding_attention") if local else None
 
     @classmethod
     def from_pretrained(
@@ -487,10 +448,9 @@ class LlamaModel(nn.Module):
         local = None if self.local_rotary is None else self.local_rotary(positions, hidden.dtype)
         delta = None  # the last layer's MLP output, added inside the next norm
         for index, layer in enumerate(self.layers):
-            if local is not None and config.layer_windows[index] is not None:
-                hidden, delta = layer(hidden, delta, *local, attention, ops, fused_store)
-            else:
-                hidden, delta = layer(hidden, delta, cos, sin, attention, ops, fused_store)
+            slides = local is not None and config.layer_windows[index] is not None
+            rope = local if slides else (cos, sin)
+            hidden, delta = layer(hidden, delta, *rope, attention, ops, fused_store)
         if delta is None:  # no layers
             return self.norm(hidden)
         if config.gemma:
@@ -533,11 +493,10 @@ class LlamaModel(nn.Module):
         """Pack every projection and the LM head for the compiled CPU GEMM
         (``gemm.pack_weight``); whether all of them could be (not where the kernels cannot
         run: not on the CPU, another dtype, kernels not loaded)."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.packed = pack_weight(module.weight)
-        self.head_packed = pack_weight(self.head_weight)
         linears = [m for m in self.modules() if isinstance(m, Linear)]
+        for module in linears:
+            module.packed = pack_weight(module.weight)
+        self.head_packed = pack_weight(self.head_weight)
         return self.head_packed is not None and all(m.packed is not None for m in linears)
 
 
@@ -559,15 +518,14 @@ def _weight_sources(config: NativeConfig) -> dict[str, tuple[str, ...]]:
     }
     if not config.tie_word_embeddings:
         sources["lm_head.weight"] = ("lm_head.weight",)
+    qkv = ("qkv",) if config.fused_checkpoint else ("q", "k", "v")  # Phi-3: stored fused
+    gate_up = ("gate_up",) if config.fused_checkpoint else ("gate", "up")
     for index in range(config.num_layers):
         hf, ours = f"model.layers.{index}.", f"layers.{index}."
         attention = hf + "self_attn."
-        suffixes = ["weight"] + (["bias"] if config.attention_bias else [])
-        for suffix in suffixes:
-            sources[ours + "qkv_proj." + suffix] = (
-                (f"{attention}qkv_proj.{suffix}",)
-                if config.fused_checkpoint
-                else tuple(f"{attention}{name}_proj.{suffix}" for name in ("q", "k", "v"))
+        for suffix in ["weight"] + (["bias"] if config.attention_bias else []):
+            sources[f"{ours}qkv_proj.{suffix}"] = tuple(
+                f"{attention}{n}_proj.{suffix}" for n in qkv
             )
         sources[ours + "o_proj.weight"] = (attention + "o_proj.weight",)
         if _has_o_proj_bias(config):
@@ -580,11 +538,7 @@ def _weight_sources(config: NativeConfig) -> dict[str, tuple[str, ...]]:
             norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
         for norm in norms:
             sources[f"{ours}{norm}.weight"] = (f"{hf}{norm}.weight",)
-        sources[ours + "gate_up_proj.weight"] = (
-            (hf + "mlp.gate_up_proj.weight",)
-            if config.fused_checkpoint
-            else (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
-        )
+        sources[ours + "gate_up_proj.weight"] = tuple(f"{hf}mlp.{n}_proj.weight" for n in gate_up)
         sources[ours + "down_proj.weight"] = (hf + "mlp.down_proj.weight",)
     return sources
 

@@ -112,10 +112,8 @@ def rope_inverse_frequencies(
 
 
 # cos/sin of CPU steps come from tables built in blocks of about this many elements (whole
-# positions, at fixed starts). ATen computes a loop's last few elements with the scalar
-# function, which rounds differently from the vector one, so values computed per step
-# depended on where a position fell in the step; in the tables each position is always
-# computed by the same block, the same way. Small enough to run on one thread.
+# positions, at fixed starts), so a position's values never depend on where it falls in a
+# step (ATen computes a loop's tail with the scalar function, which rounds differently).
 TABLE_BLOCK_ELEMENTS = 1 << 14
 
 

@@ -1,15 +1,11 @@
 """The decoder layer's elementwise regions as Triton kernels: the CUDA path of ``fused``.
 
 ``TritonOps`` runs each region of ``fused.FusedOps`` (and the first layer's input norm,
-``rms_norm``) as one launch of ``llm_operator.kernels.triton_fused``: four launches a
-layer (add + RMSNorm twice, QKV split + q/k norm + RoPE, SiLU * up) and one for the first
-layer's norm, where eager dispatches 30 to 50 ops a layer. The numerics are eager's
-roundings (``triton_fused``'s docstring): bitwise but for rare one- or two-ulp flips of an
-RMSNorm or SiLU output in bf16/fp16, a few ulp in fp32.
-
-``qkv_rope_store`` also writes the step's k and v into the paged KV cache in the same
-launch (``triton_attention.store_kv``'s layout): the engine's forward takes it where both
-the attention and these regions run on Triton (``LlamaModel.forward(fused_store=True)``).
+``rms_norm``) as one launch of ``llm_operator.kernels.triton_fused``, with eager's
+roundings (read its docstring). ``qkv_rope_store`` also writes the step's k and v into the
+paged KV cache in the same launch (``triton_attention.store_kv``'s layout): the engine's
+forward takes it where both the attention and these regions run on Triton
+(``LlamaModel.forward(fused_store=True)``).
 
 The engine decides where these run, once (``engine.factory.native_paths``): on CUDA, and
 on CPU tensors under the Triton interpreter in tests (``kernels="triton"``), after
@@ -54,8 +50,7 @@ class TritonOps(FusedOps):
             and hidden.shape[1] <= triton_fused.MAX_ROW_SIZE
             and self._runs(hidden, delta, weight)
         ):
-            args = (hidden, delta, weight, eps)
-            return triton_fused.add_rms_norm(*args)
+            return triton_fused.add_rms_norm(hidden, delta, weight, eps)
         return fused.add_rms_norm(hidden, delta, weight, eps)
 
     def qkv_rope(
@@ -115,16 +110,7 @@ class TritonOps(FusedOps):
 
     # -- when the kernels run ----------------------------------------------------------
     def _rope_runs(
-        self,
-        qkv: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        q_norm_weight: Tensor | None,
-        k_norm_weight: Tensor | None,
-        eps: float,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
+        self, qkv, cos, sin, q_norm_weight, k_norm_weight, eps, num_heads, num_kv_heads, head_dim
     ) -> bool:
         tensors = [qkv, cos, sin]
         if (q_norm_weight is None) != (k_norm_weight is None):
@@ -151,7 +137,9 @@ class TritonOps(FusedOps):
             return False
         if torch.is_grad_enabled() and any(t.requires_grad for t in (first, *others)):
             return False  # the kernels record no autograd graph
-        return _kernel_device(first.device)
+        # CUDA, or the CPU when the Triton interpreter runs the kernels
+        device = first.device.type
+        return device == "cuda" or (device == "cpu" and triton_fused.interpreted())
 
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -159,11 +147,6 @@ _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def _same_place(first: Tensor, *others: Tensor) -> bool:
     return all(t.dtype == first.dtype and t.device == first.device for t in others)
-
-
-def _kernel_device(device: torch.device) -> bool:
-    """CUDA, or the CPU when the Triton interpreter runs the kernels."""
-    return device.type == "cuda" or (device.type == "cpu" and triton_fused.interpreted())
 
 
 def _eager_rope_store(*args: Any) -> tuple[Tensor, Tensor, Tensor]:

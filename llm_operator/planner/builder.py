@@ -26,6 +26,18 @@ from llm_operator.planner.segment_tree import (
 )
 
 
+@contextlib.contextmanager
+def _garbage_collector_paused() -> Iterator[None]:
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+@_garbage_collector_paused()
 def build_plan(
     token_ids: Sequence[Sequence[int]],
     max_tokens: int | Sequence[int],
@@ -47,39 +59,8 @@ def build_plan(
 
     Every input row lands in exactly one request's ``rows``. Raises ValueError or TypeError
     naming the bad argument. The cyclic garbage collector is paused while planning (the plan
-    creates no cycles; a full collection over 100k prompt lists costs ~0.4 s each).
+    creates no cycles, and collections over many prompt lists are slow).
     """
-    with _garbage_collector_paused():
-        return _build_plan(
-            token_ids,
-            max_tokens,
-            merge_keys=merge_keys,
-            min_shared_tokens=min_shared_tokens,
-            decode_first=decode_first,
-            share_prefixes=share_prefixes,
-        )
-
-
-@contextlib.contextmanager
-def _garbage_collector_paused() -> Iterator[None]:
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def _build_plan(
-    token_ids: Sequence[Sequence[int]],
-    max_tokens: int | Sequence[int],
-    *,
-    merge_keys: Sequence[Hashable | None] | None,
-    min_shared_tokens: int,
-    decode_first: bool,
-    share_prefixes: bool,
-) -> Plan:
     started = time.perf_counter()
     _check_flags(min_shared_tokens, decode_first, share_prefixes)
     if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):

@@ -96,15 +96,12 @@ class _Orderer:
 
     def items_rank(self, items: list[Item]) -> Rank:
         """Rank of the requests below ``items`` together."""
-        ratio = float("-inf")
-        first_row = _NO_ROW
+        ratio, first_row = float("-inf"), _NO_ROW
         for _, kind, ident in items:
-            if kind == _REQUEST:
-                ratio = max(ratio, self.request_ratio[ident])
-                first_row = min(first_row, self.request_first_row[ident])
-            else:
-                ratio = max(ratio, self.segment_ratio[ident])
-                first_row = min(first_row, self.segment_first_row[ident])
+            request = kind == _REQUEST
+            ratio = max(ratio, (self.request_ratio if request else self.segment_ratio)[ident])
+            rows = self.request_first_row if request else self.segment_first_row
+            first_row = min(first_row, rows[ident])
         return self.rank(ratio, first_row)
 
     def emit(self, items: list[Item], chain: tuple[int, ...]) -> list[Member]:

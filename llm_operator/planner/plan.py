@@ -118,11 +118,8 @@ class Plan:
     def report(self) -> str:
         """A short human-readable prefix-sharing report, one figure per line."""
         s = self.stats
-        single_ratio = (
-            (s.prompt_tokens - s.single_level_prefill_tokens) / s.prompt_tokens
-            if s.prompt_tokens
-            else 0.0
-        )
+        single_saved = s.prompt_tokens - s.single_level_prefill_tokens
+        single_ratio = single_saved / s.prompt_tokens if s.prompt_tokens else 0.0
         lines = [
             "prefix-sharing plan",
             f"  rows               {s.rows:>12,}",

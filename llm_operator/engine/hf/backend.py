@@ -21,12 +21,10 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from llm_operator.config import EngineConfig
-from llm_operator.engine.hf.batch_cache import GROWTH_COLUMNS, DenseBatchCache, layers_of
+from llm_operator.engine.hf.batch_cache import GROWTH_COLUMNS, DenseBatchCache, KVLayers, layers_of
 from llm_operator.engine.hf.prefix_store import PrefixStore
 from llm_operator.engine.run import Request, Run
 from llm_operator.planner import PlannedRequest
-
-KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class HFBackend:
@@ -35,12 +33,7 @@ class HFBackend:
     name = "hf"
 
     def __init__(
-        self,
-        model,
-        tokenizer,
-        engine_config: EngineConfig,
-        *,
-        kv_cache_bytes: int | None = None,
+        self, model, tokenizer, engine_config: EngineConfig, *, kv_cache_bytes: int | None = None
     ) -> None:
         """engine_config: its ``max_batch_size`` and ``prefill_batch_tokens`` apply here.
         kv_cache_bytes: the KV budget in bytes (``kv_cache_memory`` resolved for the

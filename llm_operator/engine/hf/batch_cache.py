@@ -20,9 +20,10 @@ import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 GROWTH_COLUMNS = 64
+KVLayers = list[tuple[torch.Tensor, torch.Tensor]]  # (keys, values) per layer
 
 
-def layers_of(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def layers_of(cache: DynamicCache) -> KVLayers:
     """(keys, values) per layer; refuses caches that are not plain per-layer K/V."""
     layers = []
     for layer in cache.layers:
@@ -74,12 +75,7 @@ class DenseBatchCache:
     buffers: keys then values of each layer, [rows, kv_heads, capacity, head_dim] each.
     """
 
-    def __init__(
-        self,
-        layers: list[tuple[torch.Tensor, torch.Tensor]],
-        mask: torch.Tensor,
-        positions: torch.Tensor,
-    ):
+    def __init__(self, layers: KVLayers, mask: torch.Tensor, positions: torch.Tensor):
         # layers[i]: (keys, values), each [rows, kv_heads, time, head_dim]; mask: [rows, time]
         self.start = 0
         self.length = self.capacity = mask.shape[1]
@@ -141,11 +137,7 @@ class DenseBatchCache:
 
     # -- rows ------------------------------------------------------------
     def write_rows(
-        self,
-        slots: list[int],
-        layers: list[tuple[torch.Tensor, torch.Tensor]],
-        mask: torch.Tensor,
-        positions: torch.Tensor,
+        self, slots: list[int], layers: KVLayers, mask: torch.Tensor, positions: torch.Tensor
     ) -> None:
         """Write new rows (right-aligned) into ``slots``; slots == rows appends."""
         # layers[i]: [new_rows, kv_heads, row_time, head_dim]; mask: [new_rows, row_time]

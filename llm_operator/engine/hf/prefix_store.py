@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from llm_operator.engine.hf.batch_cache import layers_of
+from llm_operator.engine.hf.batch_cache import KVLayers, layers_of
 from llm_operator.engine.segment_pins import SegmentPins
 from llm_operator.planner import Plan, PlannedRequest
 
@@ -42,7 +42,7 @@ class PrefixStore(SegmentPins):
         super().__init__(len(plan.segments), (r.chain for r in plan.requests))
         self.forward = forward
         self.plan = plan
-        self.entries: dict[int, tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]] = {}
+        self.entries: dict[int, tuple[KVLayers, torch.Tensor]] = {}
         self.tokens_computed = 0
         self.bytes_per_token = kv_bytes_per_token(model)
 

@@ -77,6 +77,11 @@ class RunProfile:
         return asdict(self)
 
 
+# the SchedulerStats a RunProfile copies
+SCHEDULER_COUNTS = """preemptions segment_evictions peak_blocks window_freed_blocks max_running
+    decode_tokens jump_chunk_tokens tail_copies copied_tokens""".split()
+
+
 class NativeBackend:
     """Runs a plan on a ``LlamaModel`` with paged KV, pinned prefixes and token batching."""
 
@@ -395,13 +400,6 @@ class _NativeSteps:
         self.builder.release(seq)
 
     def close(self) -> None:
-        stats, profile = self.scheduler.stats, self.profile
         self.k_cache = self.v_cache = []  # the pool stays on the backend for the next run
-        profile.preemptions = stats.preemptions
-        profile.segment_evictions = stats.segment_evictions
-        profile.peak_blocks = stats.peak_blocks
-        profile.window_freed_blocks = stats.window_freed_blocks
-        profile.max_running = stats.max_running
-        profile.decode_tokens = stats.decode_tokens
-        profile.jump_chunk_tokens = stats.jump_chunk_tokens
-        profile.tail_copies, profile.copied_tokens = stats.tail_copies, stats.copied_tokens
+        for name in SCHEDULER_COUNTS:
+            setattr(self.profile, name, getattr(self.scheduler.stats, name))

@@ -177,34 +177,25 @@ class DecodeGraphs:
         rows = next(size for size in self.buckets if size >= count)
         arrays = self._arrays(host)
         own_tables, context_lens, level_tables, level_lengths = arrays
-        heads, group = self.heads, self.group
+        (_, kv_heads, dim), group = self.heads, self.group
         if self.invariant:  # one tile shape for every launch, no key splits
-            own_config = triton_kernels.invariant_config(
-                self.dtype, heads[2], group, self.block_size
-            )
+            own_config = triton_kernels.invariant_config(self.dtype, dim, group, self.block_size)
         else:
-            own_config = triton_kernels.tile_config(self.dtype, heads[2], 1, group)
+            own_config = triton_kernels.tile_config(self.dtype, dim, 1, group)
         own_items = triton_kernels.own_work(host.query_start, context_lens, own_config[0] // group)
         level_items, level_keys = [], []
         for level, tables, lengths in zip(host.levels, level_tables, level_lengths):
             if self.invariant:
                 config, target = own_config, 0
             else:
-                config = triton_kernels.tile_config(self.dtype, heads[2], rows, group)
+                config = triton_kernels.tile_config(self.dtype, dim, rows, group)
                 target = triton_kernels._target_programs(self.device)
             items, splits = triton_kernels.prefix_work(
-                level.row_start, lengths, config[0] // group, config[1], target, heads[1]
+                level.row_start, lengths, config[0] // group, config[1], target, kv_heads
             )
             level_items.append(items)
-            level_keys.append(
-                _LevelKey(
-                    segments=_capacity(len(lengths)),
-                    width=_capacity(max(1, tables.shape[1])),
-                    work=_capacity(max(1, len(items))),
-                    config=config,
-                    splits=splits,
-                )
-            )
+            sizes = (len(lengths), max(1, tables.shape[1]), max(1, len(items)))
+            level_keys.append(_LevelKey(*map(_capacity, sizes), config, splits))
         width = _capacity(max(1, own_tables.shape[1]))
         key = (rows, width, tuple(level_keys))
         static = self.graphs.get(key)

@@ -62,11 +62,8 @@ class PrefixPins(SegmentPins):
 
     def ready(self, segment_id: int) -> KVSequence:
         """The READY sequence of a segment (AssertionError otherwise)."""
-        segment_seq = self.live[segment_id]
-        assert segment_seq is not None and segment_seq.status == READY, (
-            f"segment {segment_id} is not READY"
-        )
-        return segment_seq
+        assert self.is_ready(segment_id), f"segment {segment_id} is not READY"
+        return self.live[segment_id]
 
     def pin(self, segment_seq: KVSequence) -> None:
         segment_id = segment_seq.ref

@@ -428,17 +428,12 @@ class Scheduler:
         start = self._start(prefix)
         tokens = [int(token) for token in request.token_ids[start:]]
         assert len(tokens) > prefix - start, f"request {request.request_id} has no own token"
-        sequence = KVSequence.waiting(
-            next(self._seq_ids),
-            REQUEST,
-            request.request_id,
-            chain,
-            start,
-            tokens,
+        seq = KVSequence.waiting(
+            next(self._seq_ids), REQUEST, request.request_id, chain, start, tokens,
             request.max_tokens,
-        )
-        sequence.head = prefix - start
-        self._waiting.append(sequence)
+        )  # fmt: skip
+        seq.head = prefix - start
+        self._waiting.append(seq)
 
     def _never_fits(self, seq: KVSequence) -> str | None:
         chain_blocks = self._pins.chain_blocks(seq.chain)
@@ -454,10 +449,8 @@ class Scheduler:
 
     def _target_blocks(self, seq: KVSequence) -> int:
         """Blocks a running request may still come to hold (in its list: freed ones too)."""
-        remaining = max(0, seq.max_tokens - seq.num_generated)
-        blocks = self.blocks.blocks_for(
-            len(seq.tokens) + math.ceil(self.decode_reserve * remaining)
-        )
+        reserve = math.ceil(self.decode_reserve * max(0, seq.max_tokens - seq.num_generated))
+        blocks = self.blocks.blocks_for(len(seq.tokens) + reserve)
         return self._live_cap(blocks - seq.released) + seq.released
 
     def _live_cap(self, blocks: int) -> int:

@@ -275,14 +275,7 @@ class StepBuilder:
             for level in host.levels
         ]
         slots = device_tensor(host.slots, device)
-        step = kernels.AttentionStep(
-            self.implementation,
-            own_batch,
-            prefix_batches,
-            slots,
-            invariant=self.invariant,
-            softcap=self.softcap,
-        )
+        step = self._attention_step(own_batch, prefix_batches, slots)
         window_step = None
         if self.window is not None:
             window_step = step
@@ -307,14 +300,11 @@ class StepBuilder:
         own, prefixes = kernels.windowed(
             own_batch, prefix_batches, host.positions, starts, self.window, drop=not keep_all
         )
-        return kernels.AttentionStep(
-            self.implementation,
-            own,
-            prefixes,
-            slots,
-            invariant=self.invariant,
-            softcap=self.softcap,
-        )
+        return self._attention_step(own, prefixes, slots)
+
+    def _attention_step(self, own, prefixes, slots) -> kernels.AttentionStep:
+        options = {"invariant": self.invariant, "softcap": self.softcap}
+        return kernels.AttentionStep(self.implementation, own, prefixes, slots, **options)
 
     def _levels(
         self, chains: list[tuple[int, ...]], chain_ids: np.ndarray, query_start: np.ndarray
@@ -326,11 +316,10 @@ class StepBuilder:
         depth = max(len(chain) for chain in chains)
         # level_segment[i, level]: the segment chain i reads at that level, -1 past its end
         level_segment = np.full((len(chains), depth), -1, dtype=np.int64)
-        for i, chain in enumerate(chains):
-            level_segment[i, : len(chain)] = chain
         # level_start[i, level]: the position of that segment's first token in chain i
         level_start = np.zeros((len(chains), depth), dtype=np.int64)
         for i, chain in enumerate(chains):
+            level_segment[i, : len(chain)] = chain
             lengths = [self.segment_length(s) for s in chain[:-1]]
             level_start[i, 1 : len(chain)] = np.cumsum(lengths, dtype=np.int64)
         reading = chain_ids >= 0

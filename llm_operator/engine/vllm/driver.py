@@ -162,10 +162,8 @@ def kv_bytes_per_token(config: Any, kwargs: Mapping[str, Any]) -> int | None:
     if head_dim is None and heads:
         hidden = getattr(text, "hidden_size", None)
         head_dim = hidden // heads if hidden else None
-    if str(kwargs.get("kv_cache_dtype") or "auto").startswith("fp8"):
-        item = 1
-    else:
-        item = DTYPE_BYTES.get(str(kwargs.get("dtype", "auto")).removeprefix("torch."))
+    fp8 = str(kwargs.get("kv_cache_dtype") or "auto").startswith("fp8")
+    item = 1 if fp8 else DTYPE_BYTES.get(str(kwargs.get("dtype", "auto")).removeprefix("torch."))
     if not (layers and kv_heads and head_dim and item):
         return None
     return 2 * int(layers) * int(kv_heads) * int(head_dim) * item
@@ -210,9 +208,7 @@ class VLLMEngine:
         self.max_model_len = int(config.model_config.max_model_len)
         self.dtype = str(config.model_config.dtype).removeprefix("torch.")
         self.device = str(config.device_config.device_type)
-        # EngineCore writes the block count into cache_config.num_gpu_blocks after profiling
-        # (the name says gpu, the CPU backend uses it too); the multiprocessing client copies
-        # it back into the front end's config from the engine core's handshake.
+        # set by the engine core after profiling (on CPU too, despite its name)
         blocks = getattr(config.cache_config, "num_gpu_blocks", None)
         self.kv_blocks: int | None = int(blocks) if blocks else None
         self.block_size = int(config.cache_config.block_size)
@@ -287,6 +283,9 @@ def sampling_params(
 
     constraint = params.constraint
     eos = () if params.ignore_eos else sorted(eos_token_ids)
+    structured = None
+    if constraint is not None:
+        structured = StructuredOutputsParams(**structured_outputs(*constraint))
     return _final_only(
         max_tokens=int(params.max_tokens if max_tokens is None else max_tokens),
         temperature=float(params.temperature),
@@ -298,11 +297,7 @@ def sampling_params(
         ignore_eos=bool(params.ignore_eos),
         detokenize=bool(params.stop),
         logprobs=0 if params.logprobs and constraint is None else None,
-        structured_outputs=(
-            None
-            if constraint is None
-            else StructuredOutputsParams(**structured_outputs(*constraint))
-        ),
+        structured_outputs=structured,
     )
 
 
