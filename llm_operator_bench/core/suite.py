@@ -91,6 +91,8 @@ def run_benchmark(
     vllm_block_size: int | None = None,
     vllm_eager: bool = False,
     vllm_python: str | None = None,
+    llamacpp_python: str | None = None,
+    llamacpp_parallel: int = 16,
     timeout: float | None = None,
     log=_stderr,
 ) -> dict[str, Any]:
@@ -122,7 +124,7 @@ def run_benchmark(
     specs = _systems_with_work(specs, prepared, log)
     shape, rates = machine_rate(operator, log)  # before any system runs
     raw: dict[str, dict] = {}
-    worker_specs = [spec for spec in specs if spec.kind != "vllm"]
+    worker_specs = [spec for spec in specs if spec.kind not in ("vllm", "llamacpp")]
     vllm_specs = [spec for spec in specs if spec.kind == "vllm"]
     for index, spec in enumerate(worker_specs, 1):
         log(f"bench: [{index}/{len(specs)}] {spec.name}: {spec.description}")
@@ -169,6 +171,11 @@ def run_benchmark(
             problem = raw[spec.name].get("error") or raw[spec.name].get("skipped")
             if problem:
                 log(f"bench: {spec.name} not measured: {problem}")
+    for spec in (spec for spec in specs if spec.kind == "llamacpp"):
+        log(f"bench: {spec.name}: {spec.description}")
+        raw[spec.name] = _run_llamacpp(
+            spec, model, model_path, prepared, repeat, llamacpp_python, llamacpp_parallel, log
+        )
     records = build_records(
         specs,
         raw,
@@ -292,3 +299,23 @@ def _vllm_backend_options(
         "kv_cache_memory": int(kv_cache_gib * (1 << 30)),
         "vllm_options": vllm_options,
     }
+
+
+def _run_llamacpp(spec, model, model_path, prepared, repeat, python, parallel, log) -> dict:
+    """A llama.cpp system's RESULT dict, or {"skipped": why} where it cannot run here."""
+    from llm_operator.models.registry import known_aliases
+    from llm_operator_bench.baselines.llama_cpp import LlamaCppUnavailable, run_llamacpp_system
+
+    if spec.options["gguf"] == "own" and model not in known_aliases():
+        return {"skipped": f"model {model!r} is not a GGUF alias: it has no GGUF of its own"}
+    try:
+        return run_llamacpp_system(
+            spec, model_path, prepared, repeat=repeat, parallel=parallel, python=python,
+            alias=model, log=log,
+        )  # fmt: skip
+    except LlamaCppUnavailable as error:
+        log(f"bench: {spec.name} not measured: {error}")
+        return {"skipped": str(error)}
+    except (RuntimeError, OSError) as error:
+        log(f"bench: {spec.name} failed: {error}")
+        return {"error": f"{type(error).__name__}: {error}"}

@@ -15,8 +15,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class SystemSpec:
-    """One system: kind "static" (HF generate, fixed batches), "operator" (LLMOperator)
-    or "vllm" (vLLM's offline engine); ``shuffled`` submits the rows in a seeded random order.
+    """One system: kind "static" (HF generate, fixed batches), "operator" (LLMOperator),
+    "vllm" (vLLM's offline engine) or "llamacpp" (llama.cpp's server, fed by a client with
+    requests in flight: ``bench.baselines.llama_cpp``); ``shuffled`` submits the rows in a seeded random order.
 
     ``choices``: each row's output is constrained to its labels (``Workload.choices``; our
     ``SamplingParams(choices=...)``, vLLM's structured outputs); such a system runs only the
@@ -215,6 +216,19 @@ SYSTEMS: dict[str, SystemSpec] = {
             {"prefix_caching": True},
             dtype="bfloat16",
             block_size=32,
+        ),
+        SystemSpec(
+            "llamacpp",
+            "llamacpp",
+            "llama.cpp's llama-server on the model's own GGUF (SmolLM2: Q4_1): continuous "
+            "batching, 16 slots on one KV cache, prompt caching, 16 requests in flight",
+            {"gguf": "own"},
+        ),
+        SystemSpec(
+            "llamacpp-f32",
+            "llamacpp",
+            "llamacpp on an F32 GGUF converted from the same weights (llama.cpp's f16 KV)",
+            {"gguf": "f32"},
         ),
     )
 }
