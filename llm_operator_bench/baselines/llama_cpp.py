@@ -8,10 +8,13 @@
 nothing is downloaded at run time) into a venv of its own: ``make llamacpp-env`` builds
 ``.venv-llamacpp``, and ``--llamacpp-python`` names another venv's python. Its strongest
 configuration for a batch job, as its docs give it: continuous batching, ``--parallel``
-slots sharing one unified KV cache, prompt caching (a slot keeps its last prompt's K/V, a
-request goes to the slot whose cached prompt it shares most with, ``--cache-reuse`` reuses
-shifted chunks), every core for decode and prompt processing, its default f16 KV cache and
-flash attention. The client sends every row's token ids (so both engines see the same
+slots, prompt caching (a slot keeps its last prompt's K/V, a request goes to the slot whose
+cached prompt it shares most with, ``--cache-reuse`` reuses shifted chunks, and prompts
+are kept in RAM), every core for decode and prompt processing, its default f16 KV cache
+and flash attention. Its prompt cache is per slot, so the slot count trades batching
+against reuse: ``llamacpp`` runs 16 slots (16 requests in flight), ``llamacpp-1slot`` one
+(each request reuses the last one's prefix; measured on doc-qa's first 12 rows: 1 slot
+11.6 s, 4 slots 24.5 s, 16 slots 38.2 s; a unified KV cache across 16 slots 46.3 s). The client sends every row's token ids (so both engines see the same
 tokens) to ``/completion`` with ``parallel`` requests in flight, in input order, greedy
 (temperature 0), ``n_predict`` the row's max_tokens, EOS ignored where the workload says
 so, the workload's stop strings. The server's own timings give the prompt tokens it
@@ -122,7 +125,7 @@ class LlamaServer:
         threads = str(os.cpu_count() or 1)
         self.command = [
             binary, "--model", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
-            "--parallel", str(parallel), "--ctx-size", str(context * parallel), "--kv-unified",
+            "--parallel", str(parallel), "--ctx-size", str(context * parallel),
             "--cont-batching", "--cache-prompt", "--cache-reuse", str(CACHE_REUSE),
             "--threads", threads, "--threads-batch", threads, "--no-webui",
         ]  # fmt: skip
@@ -198,9 +201,11 @@ def run_llamacpp_system(
     log=print,
 ) -> dict:
     """A bench RESULT dict for a llama.cpp system (module doc): ``spec.options["gguf"]``
-    "own" (the GGUF file of the model ``alias``) or "f32" (converted from ``model_dir``)."""
+    "own" (the GGUF file of the model ``alias``) or "f32" (converted from ``model_dir``);
+    ``spec.options["parallel"]``, where set, replaces ``parallel``."""
     from llm_operator.models.registry import default_cache_dir, locate_alias_file
 
+    parallel = spec.options.get("parallel", parallel)
     python = find_llamacpp_python(python)
     binary = server_binary(python)
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()

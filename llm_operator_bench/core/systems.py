@@ -221,8 +221,15 @@ SYSTEMS: dict[str, SystemSpec] = {
             "llamacpp",
             "llamacpp",
             "llama.cpp's llama-server on the model's own GGUF (SmolLM2: Q4_1): continuous "
-            "batching, 16 slots on one KV cache, prompt caching, 16 requests in flight",
+            "batching, 16 slots, prompt caching, 16 requests in flight",
             {"gguf": "own"},
+        ),
+        SystemSpec(
+            "llamacpp-1slot",
+            "llamacpp",
+            "llamacpp with one slot, one request in flight: each prompt reuses the last one's "
+            "cached prefix",
+            {"gguf": "own", "parallel": 1},
         ),
         SystemSpec(
             "llamacpp-f32",
