@@ -68,6 +68,7 @@ def test_llamacpp_systems_run_the_workload_and_reuse_shared_prefixes(llamacpp_re
         record = records[system]
         assert record["status"] == "ok", record["error"]
         assert record["output_tokens"] > 0
+        assert record["peak_rss_bytes"] > 50 * 2**20  # the server holds the model
         # the rows share few-shot prefixes: the server's prompt cache computes fewer tokens
         assert 0 < record["prefill_tokens_computed"] < record["prompt_tokens"]
     assert records["llamacpp"]["dtype"] == "gguf"

@@ -148,6 +148,15 @@ class LlamaServer:
             time.sleep(0.5)
         raise RuntimeError(f"llama-server did not answer /health in {START_TIMEOUT:.0f} s")
 
+    def peak_rss_bytes(self) -> int | None:
+        """The server's peak resident memory so far (VmHWM; None where /proc has none)."""
+        try:
+            status = Path(f"/proc/{self.process.pid}/status").read_text()
+        except (AttributeError, OSError):
+            return None
+        kib = [line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")]
+        return int(kib[0]) * 1024 if kib else None
+
     def __exit__(self, *exc: object) -> None:
         if self.process is not None:
             self.process.terminate()
@@ -230,6 +239,7 @@ def run_llamacpp_system(
                     load_seconds.append(time.perf_counter() - started)
                     server.complete(WARM_UP_IDS, 2, True, ())  # untimed: sizes its buffers
                     passes.append(server.run(w, parallel))
+                    passes[-1]["peak_rss_bytes"] = server.peak_rss_bytes()
                 command = " ".join(server.command)
             first = passes[0]["answers"]
             computed = sum(a["timings"]["prompt_n"] for a in first)
@@ -244,6 +254,7 @@ def run_llamacpp_system(
                     "cached_tokens": cached,
                     "prefill_tokens_computed": computed,
                     "output_tokens": sum(len(a.get("tokens") or []) for a in first),
+                    "peak_rss_bytes": passes[0]["peak_rss_bytes"],  # the server's
                     "peak_device_bytes": None,
                 }
             )
