@@ -221,3 +221,55 @@ def connect_mode():
         yield
     finally:
         os.environ.pop(MODE, None)
+
+
+class PagedLayout:
+    """Requests over one paged cache for the kernel invariance tests (reference layout
+    [blocks, block_size, kv_heads, dim], unwritten slots NaN, blocks taken in a seeded random
+    order): ``segment(keys, values, level)`` places shared keys at a chain level and returns
+    its id; ``add(chain, keys, values, queries)`` a request reading those segments then its
+    own keys, its query rows the last own positions."""
+
+    def __init__(self, block_size, kv_heads, dim, generator, dtype=torch.float32, num_blocks=None):
+        num_blocks = num_blocks or 12288 // block_size
+        self.dtype, self.block_size = dtype, block_size
+        self.free = torch.randperm(num_blocks, generator=generator).tolist()
+        self.k = torch.full((num_blocks, block_size, kv_heads, dim), float("nan"), dtype=dtype)
+        self.v = self.k.clone()
+        self.segments: list[tuple[list[int], int, int]] = []  # (table, length, level)
+        self.requests: list[tuple[list[int], list[int], int, torch.Tensor]] = []
+
+    def _place(self, keys, values) -> list[int]:
+        blocks = [self.free.pop() for _ in range(-(-len(keys) // self.block_size))]
+        for i in range(len(keys)):
+            slot = (blocks[i // self.block_size], i % self.block_size)
+            self.k[slot], self.v[slot] = keys[i], values[i]
+        return blocks
+
+    def segment(self, keys, values, level: int) -> int:
+        self.segments.append((self._place(keys, values), len(keys), level))
+        return len(self.segments) - 1
+
+    def add(self, chain, keys, values, queries) -> None:
+        self.requests.append((list(chain), self._place(keys, values), len(keys), queries))
+
+
+def compile_for_sm90(script: str, **env_defaults: str) -> None:
+    """Run ``script`` (a Triton compile for sm_90 that prints "compiled", or exits 77 where
+    this Triton has no GPU compiler: skipped) in a fresh interpreter without the Triton
+    interpreter; ``env_defaults`` are set where the environment does not set them."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for name, value in env_defaults.items():
+        env.setdefault(name, value)
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    if result.returncode == 77:
+        pytest.skip(f"no Triton GPU compiler here: {result.stdout.strip()}")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "compiled" in result.stdout

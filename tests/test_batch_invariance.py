@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import PagedLayout
 
 from llm_operator.kernels import cpu_extension, cpu_ops, layout
 
@@ -28,37 +29,12 @@ def cpu_module():
     return module
 
 
-class Layout:
-    """Requests over one paged cache (reference layout, unwritten slots NaN).
-
-    ``add(chain, own_keys, own_values, queries)``: a request reading the shared segments
-    ``chain`` (ids from ``segment``) then its own keys; its query rows ``queries`` [n,
-    heads, dim] are the last n own positions. ``run`` returns the attention of every row.
-    """
+class Layout(PagedLayout):
+    """``PagedLayout`` with this module's heads; ``run`` returns the attention of every row
+    through the compiled kernel."""
 
     def __init__(self, dtype, block_size, generator, num_blocks=None):
-        num_blocks = num_blocks or 12288 // block_size
-        self.dtype, self.block_size = dtype, block_size
-        self.free = torch.randperm(num_blocks, generator=generator).tolist()
-        shape = (num_blocks, block_size, KV_HEADS, DIM)
-        self.k = torch.full(shape, float("nan"), dtype=dtype)
-        self.v = self.k.clone()
-        self.segments: list[tuple[list[int], int, int]] = []  # (table, length, level)
-        self.requests: list[tuple[list[int], list[int], int, torch.Tensor]] = []
-
-    def _place(self, keys, values) -> list[int]:
-        blocks = [self.free.pop() for _ in range(-(-len(keys) // self.block_size))]
-        for i in range(len(keys)):
-            slot = (blocks[i // self.block_size], i % self.block_size)
-            self.k[slot], self.v[slot] = keys[i], values[i]
-        return blocks
-
-    def segment(self, keys, values, level: int) -> int:
-        self.segments.append((self._place(keys, values), len(keys), level))
-        return len(self.segments) - 1
-
-    def add(self, chain, keys, values, queries) -> None:
-        self.requests.append((list(chain), self._place(keys, values), len(keys), queries))
+        super().__init__(block_size, KV_HEADS, DIM, generator, dtype, num_blocks)
 
     def run(self, module, split_keys: int) -> torch.Tensor:
         starts = [0]

@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
+from helpers import compile_for_sm90  # noqa: E402
 
 # Tolerances (Triton and the reference: same inputs, fp32 inside, outputs rounded to the
 # dtype) and own-request batches as (context_len, query_count), shared with the torch tests.
@@ -531,16 +532,4 @@ print("compiled")
 
 
 def test_kernels_compile_for_sm90_without_a_gpu():
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    result = subprocess.run(
-        [sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
-    if result.returncode == 77:
-        pytest.skip(f"no Triton GPU compiler here: {result.stdout.strip()}")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "compiled" in result.stdout
+    compile_for_sm90(COMPILE_SCRIPT, TRITON_DEFAULT_FP_FUSION="1")

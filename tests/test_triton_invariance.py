@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
+from helpers import PagedLayout, compile_for_sm90  # noqa: E402
 
 from llm_operator.kernels import AttentionStep, layout, torch_attention  # noqa: E402
 from llm_operator.kernels import triton_attention as tri  # noqa: E402
@@ -26,34 +27,12 @@ LENGTH = 150  # the target sequence: its query row sits at position 149
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 
 
-class Layout:
-    """Requests over one paged cache (reference layout, unwritten slots NaN): ``segment``
-    places shared keys at a chain level, ``add(chain, keys, values, queries)`` a request
-    reading that chain then its own keys, its query rows the last own positions."""
+class Layout(PagedLayout):
+    """``PagedLayout`` with this module's heads, blocks in a random order seeded by ``seed``;
+    ``batches`` lays it out for the kernels."""
 
     def __init__(self, block_size: int, seed: int):
-        num_blocks = 12288 // block_size
-        self.block_size = block_size
-        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
-        self.free = self.free.tolist()
-        self.k = torch.full((num_blocks, block_size, KV_HEADS, DIM), float("nan"))
-        self.v = self.k.clone()
-        self.segments: list[tuple[list[int], int, int]] = []  # (table, length, level)
-        self.requests: list[tuple[list[int], list[int], int, torch.Tensor]] = []
-
-    def _place(self, keys, values) -> list[int]:
-        blocks = [self.free.pop() for _ in range(-(-len(keys) // self.block_size))]
-        for i in range(len(keys)):
-            slot = (blocks[i // self.block_size], i % self.block_size)
-            self.k[slot], self.v[slot] = keys[i], values[i]
-        return blocks
-
-    def segment(self, keys, values, level: int) -> int:
-        self.segments.append((self._place(keys, values), len(keys), level))
-        return len(self.segments) - 1
-
-    def add(self, chain, keys, values, queries) -> None:
-        self.requests.append((list(chain), self._place(keys, values), len(keys), queries))
+        super().__init__(block_size, KV_HEADS, DIM, torch.Generator().manual_seed(seed))
 
     def batches(self, window: int = 0):
         """(q, own, prefixes) of the layout; ``window``: sliding-window batches that keep
@@ -351,16 +330,4 @@ print("compiled")
 
 
 def test_invariant_kernel_compiles_for_sm90_without_a_gpu():
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    result = subprocess.run(
-        [sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
-    if result.returncode == 77:
-        pytest.skip(f"no Triton GPU compiler here: {result.stdout.strip()}")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "compiled" in result.stdout
+    compile_for_sm90(COMPILE_SCRIPT, TRITON_DEFAULT_FP_FUSION="1")
