@@ -302,6 +302,254 @@ void packed_linear_impl(const X* x, int64_t M, int64_t K, const W* packed, int64
   });
 }
 
+// ------------------------------------------------------------------ quantized linear
+
+// Weights quantized in groups of 32 along k (a GGUF file's Q4_0, Q4_1, Q4_K, Q5_0, Q5_1 and
+// Q8_0 blocks as they are, other types and float weights quantized to 8 bits at load):
+// w[n][k] = scale[n][g] * q[n][k] + min[n][g], q unsigned (4 or 8 bits), scale and min fp16.
+// Packed as uint8 [ceil(N / 16)][K / 32][group bytes]: per 16-column block and group, the
+// quants, then the 16 columns' fp16 scales, then their fp16 mins.
+//   4 bits (256 + 64 bytes): chunk c (0..3), byte 4j + b = q[j][8c + b] | q[j][8c + 4 + b] << 4
+//   8 bits (512 + 64 bytes): chunk r (0..7), byte 4j + b = q[j][4r + b]
+// Each row of x is quantized per group to int8: x ~ d * qa, qa = round(x * 127 / max|x|),
+// and s = d * sum(qa). Then y[m][n] = sum over groups of
+//   (scale[n][g] * d[m][g]) * dot(q[n], qa[m]) + min[n][g] * s[m][g]
+// in fp32, groups in order: a row's output does not depend on the other rows (invariant).
+constexpr int QGROUP = 32;
+constexpr int64_t Q4_GROUP_BYTES = 256 + 64, Q8_GROUP_BYTES = 512 + 64;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr int QUANT_TILE = 4;  // rows per weight load: 4 int16 + 4 fp32 accumulators
+#else
+constexpr int QUANT_TILE = 1;
+#endif
+
+bool is_quantized(const at::Tensor& packed) { return packed.scalar_type() == at::kByte; }
+int64_t quant_bits(const at::Tensor& packed) {
+  return packed.size(2) == Q4_GROUP_BYTES ? 4 : 8;
+}
+
+// x [M][K] quantized per row and group of 32 (above): qa [M][K], d and s [M][K / 32]
+struct QuantizedRows {
+  std::vector<int8_t> qa;
+  std::vector<float> d, s;
+};
+
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, QuantizedRows& rows) {
+  const int64_t groups = K / QGROUP;
+  rows.qa.resize(M * K);
+  rows.d.resize(M * groups);
+  rows.s.resize(M * groups);
+  at::parallel_for(0, M * groups, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* src = x + i * QGROUP;  // row i / groups, group i % groups: x is contiguous
+      float v[QGROUP], amax = 0.0f;
+      for (int k = 0; k < QGROUP; ++k) {
+        v[k] = load_float(src + k);
+        amax = std::max(amax, std::fabs(v[k]));
+      }
+      const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int8_t* q = rows.qa.data() + i * QGROUP;
+      int32_t sum = 0;
+      for (int k = 0; k < QGROUP; ++k) {
+        q[k] = static_cast<int8_t>(std::nearbyint(v[k] * inverse));
+        sum += q[k];
+      }
+      rows.d[i] = amax / 127.0f;
+      rows.s[i] = rows.d[i] * static_cast<float>(sum);
+    }
+  });
+}
+
+ALWAYS_INLINE float half_to_float(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+}
+
+// the 4 bytes of chunk `c` for column j, k offset b, unpacked: q[j][k] of the group
+template <int BITS>
+ALWAYS_INLINE int32_t group_dot(const uint8_t* quants, int j, const int8_t* qa) {
+  int32_t sum = 0;
+  if constexpr (BITS == 4) {
+    for (int c = 0; c < 4; ++c)
+      for (int b = 0; b < 4; ++b) {
+        const uint8_t byte = quants[64 * c + 4 * j + b];
+        sum += (byte & 15) * qa[8 * c + b] + (byte >> 4) * qa[8 * c + 4 + b];
+      }
+  } else {
+    for (int r = 0; r < 8; ++r)
+      for (int b = 0; b < 4; ++b) sum += quants[64 * r + 4 * j + b] * qa[4 * r + b];
+  }
+  return sum;
+}
+
+// out[m][n0 + j] for one 16-column block and M rows (the reference arithmetic above; the
+// AVX2 tile below computes the same integer dots and the same fp32 operations in order)
+template <int BITS, typename T>
+void quant_block_scalar(const QuantizedRows& rows, int64_t m0, int M, int64_t K,
+                        const uint8_t* w, const float* bias, int64_t n0, int width, T* out,
+                        int64_t N) {
+  const int64_t groups = K / QGROUP, group_bytes = BITS == 4 ? Q4_GROUP_BYTES : Q8_GROUP_BYTES;
+  const int quant_bytes = BITS == 4 ? 256 : 512;
+  for (int m = 0; m < M; ++m) {
+    const int64_t row = m0 + m;
+    for (int j = 0; j < width; ++j) {
+      float acc = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* base = w + g * group_bytes;
+        const int32_t dot = group_dot<BITS>(base, j, rows.qa.data() + row * K + g * QGROUP);
+        const float scale = half_to_float(base + quant_bytes + 2 * j);
+        const float minimum = half_to_float(base + quant_bytes + 32 + 2 * j);
+        acc = std::fma(scale * rows.d[row * groups + g], static_cast<float>(dot), acc);
+        acc = std::fma(minimum, rows.s[row * groups + g], acc);
+      }
+      store_float(out + row * N + n0 + j, bias ? acc + bias[n0 + j] : acc);
+    }
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// M rows against one 16-column block, 8 columns (one half of each 64-byte chunk) at a time:
+// u8 x s8 pair products (VPMADDUBSW) summed in int16 over a group (4 bits: at most
+// 16 * 15 * 127 = 30480; 8 bits as two nibbles, each summed so), then widened (VPMADDWD).
+template <int M, int BITS, typename T>
+__attribute__((noinline)) void quant_block(const QuantizedRows& rows, int64_t m0, int64_t K,
+                                           const uint8_t* __restrict w, const float* bias,
+                                           int64_t n0, int width, T* __restrict out,
+                                           int64_t N) {
+  const int64_t groups = K / QGROUP, group_bytes = BITS == 4 ? Q4_GROUP_BYTES : Q8_GROUP_BYTES;
+  const int quant_bytes = BITS == 4 ? 256 : 512;
+  const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const int8_t* qa = rows.qa.data() + m0 * K;
+  const float* d = rows.d.data() + m0 * groups;
+  const float* s = rows.s.data() + m0 * groups;
+  auto broadcast = [](const int8_t* p) {
+    int32_t four;
+    std::memcpy(&four, p, sizeof(four));
+    return _mm256_set1_epi32(four);
+  };
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* base = w + g * group_bytes;
+      __m256i dots[M];
+      if constexpr (BITS == 4) {
+        __m256i sums[M];
+        for (int m = 0; m < M; ++m) sums[m] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; ++c) {
+          const __m256i v =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 64 * c + 32 * half));
+          const __m256i lo = _mm256_and_si256(v, nibble);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+          for (int m = 0; m < M; ++m) {
+            const int8_t* a = qa + m * K + g * QGROUP + 8 * c;
+            sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(lo, broadcast(a)));
+            sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(hi, broadcast(a + 4)));
+          }
+        }
+        for (int m = 0; m < M; ++m) dots[m] = _mm256_madd_epi16(sums[m], ones);
+      } else {
+        __m256i low[M], high[M];
+        for (int m = 0; m < M; ++m) low[m] = high[m] = _mm256_setzero_si256();
+        for (int r = 0; r < 8; ++r) {
+          const __m256i v =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 64 * r + 32 * half));
+          const __m256i lo = _mm256_and_si256(v, nibble);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+          for (int m = 0; m < M; ++m) {
+            const __m256i a = broadcast(qa + m * K + g * QGROUP + 4 * r);
+            low[m] = _mm256_add_epi16(low[m], _mm256_maddubs_epi16(lo, a));
+            high[m] = _mm256_add_epi16(high[m], _mm256_maddubs_epi16(hi, a));
+          }
+        }
+        for (int m = 0; m < M; ++m)
+          dots[m] = _mm256_add_epi32(_mm256_madd_epi16(low[m], ones),
+                                     _mm256_slli_epi32(_mm256_madd_epi16(high[m], ones), 4));
+      }
+      const __m256 scale = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + quant_bytes + 16 * half)));
+      const __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(base + quant_bytes + 32 + 16 * half)));
+      for (int m = 0; m < M; ++m) {
+        const __m256 factor = _mm256_mul_ps(scale, _mm256_set1_ps(d[m * groups + g]));
+        acc[m] = _mm256_fmadd_ps(factor, _mm256_cvtepi32_ps(dots[m]), acc[m]);
+        acc[m] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(s[m * groups + g]), acc[m]);
+      }
+    }
+    const int j0 = 8 * half, count = std::min(8, width - j0);
+    for (int m = 0; m < M; ++m) {
+      float row[8];
+      _mm256_storeu_ps(row, acc[m]);
+      T* dst = out + (m0 + m) * N + n0 + j0;
+      for (int j = 0; j < count; ++j)
+        store_float(dst + j, bias ? row[j] + bias[n0 + j0 + j] : row[j]);
+    }
+  }
+}
+#endif
+
+// y [M, N] = x @ W^T (+ bias) for W quantized and packed (above); x in the model dtype T
+template <typename T>
+void quantized_linear_impl(const T* x, int64_t M, int64_t K, const at::Tensor& packed,
+                           const float* bias, T* out, int64_t N, QuantizedRows& rows) {
+  quantize_rows(x, M, K, rows);
+  const int64_t blocks = packed.size(0), bits = quant_bits(packed);
+  const int64_t block_bytes = packed.size(1) * packed.size(2);
+  const uint8_t* weights = packed.data_ptr<uint8_t>();
+  const int64_t grain =
+      std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(1, block_bytes / 4 * M));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+      const uint8_t* w = weights + block * block_bytes;
+      const int64_t n0 = block * LANES;
+      const int width = static_cast<int>(std::min<int64_t>(LANES, N - n0));
+      for (int64_t m0 = 0; m0 < M; m0 += QUANT_TILE) {
+        const int tile = static_cast<int>(std::min<int64_t>(QUANT_TILE, M - m0));
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+        with_rows<QUANT_TILE>(tile, [&](auto R) {
+          if (bits == 4)
+            quant_block<R, 4>(rows, m0, K, w, bias, n0, width, out, N);
+          else
+            quant_block<R, 8>(rows, m0, K, w, bias, n0, width, out, N);
+        });
+#else
+        if (bits == 4)
+          quant_block_scalar<4>(rows, m0, tile, K, w, bias, n0, width, out, N);
+        else
+          quant_block_scalar<8>(rows, m0, tile, K, w, bias, n0, width, out, N);
+#endif
+      }
+    }
+  });
+}
+
+// the reference (scalar) arithmetic of quantized_linear_impl, for the tests
+at::Tensor quantized_linear_reference(const at::Tensor& x, const at::Tensor& packed,
+                                      int64_t out_features) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && is_quantized(packed),
+              "quantized_linear_reference: fp32 x [M, K] and a quantized packed weight");
+  at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  at::Tensor out = at::empty({M, out_features}, xc.options());
+  QuantizedRows rows;
+  quantize_rows(xc.data_ptr<float>(), M, K, rows);
+  const int64_t block_bytes = packed.size(1) * packed.size(2);
+  for (int64_t block = 0; block < packed.size(0); ++block) {
+    const int64_t n0 = block * LANES;
+    const int width = static_cast<int>(std::min<int64_t>(LANES, out_features - n0));
+    const uint8_t* w = packed.data_ptr<uint8_t>() + block * block_bytes;
+    if (quant_bits(packed) == 4)
+      quant_block_scalar<4>(rows, 0, M, K, w, nullptr, n0, width, out.data_ptr<float>(),
+                            out_features);
+    else
+      quant_block_scalar<8>(rows, 0, M, K, w, nullptr, n0, width, out.data_ptr<float>(),
+                            out_features);
+  }
+  return out;
+}
+
 // W [N, K] in the layout packed_linear reads (see above): [ceil(N / 16), K, 16], or for
 // bf16 with AVX512-BF16 [ceil(N / 16), ceil(K / 2), 16, 2]; zero-padded.
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
@@ -326,6 +574,11 @@ template <typename T>
 void run_linear(const T* x, int64_t M, int64_t K, const at::Tensor& packed, const float* bias,
                 T* out, int64_t N, std::vector<float>& x32, std::vector<uint32_t>& x_pairs) {
   if (M == 0) return;
+  if (is_quantized(packed)) {
+    static thread_local QuantizedRows rows;  // reused by every call of this thread
+    quantized_linear_impl(x, M, K, packed, bias, out, N, rows);
+    return;
+  }
   if constexpr (std::is_same_v<T, bf16_bits>) {
 #if defined(__AVX512BF16__)
     if (is_pairs(packed)) {
@@ -357,6 +610,7 @@ void run_linear(const T* x, int64_t M, int64_t K, const at::Tensor& packed, cons
 }
 
 int64_t packed_in_features(const at::Tensor& packed) {
+  if (is_quantized(packed)) return packed.size(1) * QGROUP;
   return is_pairs(packed) ? packed.size(1) * 2 : packed.size(1);
 }
 
@@ -364,14 +618,19 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
                          const c10::optional<at::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "packed_linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2, "packed_linear: x must be [rows, in_features], got ", x.sizes());
+  const bool quantized = is_quantized(packed);
   TORCH_CHECK(((packed.dim() == 3 && packed.size(2) == LANES) ||
-               (packed.dim() == 4 && packed.size(2) == LANES && packed.size(3) == 2)) &&
+               (packed.dim() == 4 && packed.size(2) == LANES && packed.size(3) == 2) ||
+               (quantized && packed.dim() == 3 &&
+                (packed.size(2) == Q4_GROUP_BYTES || packed.size(2) == Q8_GROUP_BYTES))) &&
                   packed.is_contiguous(),
-              "packed_linear: packed must come from pack_linear_weight, got ", packed.sizes());
-  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "packed_linear: x is ", x.scalar_type(),
-              " but packed is ", packed.scalar_type());
+              "packed_linear: packed must come from pack_linear_weight or the quantized "
+              "packing, got ", packed.sizes(), " ", packed.scalar_type());
+  TORCH_CHECK(quantized || x.scalar_type() == packed.scalar_type(), "packed_linear: x is ",
+              x.scalar_type(), " but packed is ", packed.scalar_type());
   const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
-  TORCH_CHECK(is_pairs(packed) ? (K + 1) / 2 == packed.size(1) : K == packed.size(1),
+  TORCH_CHECK(quantized ? K == packed_in_features(packed)
+              : is_pairs(packed) ? (K + 1) / 2 == packed.size(1) : K == packed.size(1),
               "packed_linear: x has ", K, " features, packed ", packed_in_features(packed));
   TORCH_CHECK(out_features > (blocks - 1) * LANES && out_features <= blocks * LANES,
               "packed_linear: out_features ", out_features, " does not fit ", blocks, " blocks");
@@ -1435,7 +1694,9 @@ at::Tensor decoder_forward(const at::Tensor& embedded, const at::Tensor& cos,
                 "decoder_forward: head shapes disagree with the caches");
     for (int i = 0; i < LAYER_TENSORS; ++i) {
       const at::Tensor& t = layers[layer * LAYER_TENSORS + i];
-      TORCH_CHECK(!t.numel() || (t.is_contiguous() && t.scalar_type() == embedded.scalar_type()),
+      const bool projection = i == QKV || i == O_PROJ || i == GATE_UP || i == DOWN;
+      TORCH_CHECK(!t.numel() || (t.is_contiguous() && (t.scalar_type() == embedded.scalar_type() ||
+                                                       (projection && is_quantized(t)))),
                   "decoder_forward: layer ", layer, " tensor ", i,
                   " must be contiguous in the model dtype");
     }
@@ -1481,6 +1742,8 @@ at::Tensor decoder_forward(const at::Tensor& embedded, const at::Tensor& cos,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight", &pack_linear_weight, "W [N, K] packed for packed_linear");
   m.def("packed_linear", &packed_linear, "x @ W^T (+ bias) with W from pack_linear_weight");
+  m.def("quantized_linear_reference", &quantized_linear_reference,
+        "x @ W^T for a quantized packed W, in the scalar reference arithmetic");
   m.def("store_kv", &store_kv, "write K/V into the CPU cache layout");
   m.def("paged_attention", &paged_attention, "shared-prefix paged attention, merged");
   m.def("decoder_forward", &decoder_forward, "the decoder layers and final norm in one call");

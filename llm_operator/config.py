@@ -182,6 +182,15 @@ class EngineConfig:
         "self-check at start-up; torch where that fails, with a warning)",
         check=one_of("auto", "cpp", "triton", "torch"),
     )
+    quantization: str = option(
+        "auto",
+        doc="native on the CPU: projections and LM head multiplied with int8 dot products "
+        'on weights kept quantized in groups of 32: "auto" (a GGUF model keeps its file\'s '
+        'quantization, Q4 and Q8 blocks as they are; other models none), "gguf" (the same, '
+        'an error for a model that is not a GGUF file), "int8" (every projection and the LM '
+        'head quantized to 8 bits at load), "none" (float weights in the model dtype)',
+        check=one_of("auto", "none", "gguf", "int8"),
+    )
     overlap: str = option(
         "auto",
         doc="native: schedule the next iteration while the device runs this one, for runs "
@@ -308,6 +317,11 @@ class EngineConfig:
             check_single_gpu(self, self.backend)
         if self.deterministic and self.backend in ("hf", "vllm", "openai"):
             raise ValueError(NOT_INVARIANT.format(backend=self.backend))
+        if self.quantization in ("gguf", "int8") and self.backend in ("hf", "vllm", "openai"):
+            raise ValueError(
+                f"quantization={self.quantization!r} runs on the native backend only (here "
+                f"backend={self.backend!r}); use quantization='auto' or 'none'"
+            )
         if self.backend == "openai" and not self.base_url:
             raise ValueError(
                 'backend="openai" needs base_url: the server\'s API root, such as '

@@ -110,7 +110,11 @@ def _native(config: EngineConfig, info: ModelInfo, tokenizer, device, dtype):
     if not faulthandler.is_enabled():  # a crash in native code prints the Python frames
         faulthandler.enable(all_threads=True)
     model = LlamaModel.from_pretrained(info.path, device=device, dtype=dtype)
-    paths = native_paths(config, model, device, dtype)
+    paths = native_paths(config, model, device, dtype, gguf=info.gguf)
+    if paths.quantization != "none":
+        from llm_operator.models.quant import quantize_model
+
+        model.quantization = quantize_model(model, paths.quantization, info.gguf)
     config = config.with_batch_defaults(gpu_memory(device, config.gpu_share))
     return NativeBackend(model, config, paths, kv_cache_bytes=kv_budget(config, device))
 
@@ -118,13 +122,14 @@ def _native(config: EngineConfig, info: ModelInfo, tokenizer, device, dtype):
 ONEDNN_ROWS = 64  # AMX bf16: steps of at least this many rows on oneDNN's linear
 
 
-def native_paths(config: EngineConfig, model, device: torch.device, dtype: torch.dtype):
+def native_paths(config: EngineConfig, model, device: torch.device, dtype: torch.dtype, gguf=None):
     """How the native engine runs ``model`` on ``device`` in ``dtype``: the one decision
     point (``engine.native.paths.EnginePaths``). Loads and self-checks the kernels it
     picks (once per process); a kernel family that fails falls back with one warning,
     but one that ``config.kernels`` names explicitly raises RuntimeError instead.
     ValueError for options this device or model cannot run (``cuda_graphs="on"`` without
-    the Triton kernels, ``kernels="cpp"`` off the CPU)."""
+    the Triton kernels, ``kernels="cpp"`` off the CPU, a quantization the run cannot
+    take). ``gguf``: the GGUF file the model was converted from (None: not a GGUF)."""
     from llm_operator.engine.native.paths import EnginePaths
     from llm_operator.kernels import cpu_extension, cpu_ops
     from llm_operator.models import cpu_decoder
@@ -195,7 +200,11 @@ def native_paths(config: EngineConfig, model, device: torch.device, dtype: torch
                 stacklevel=3,
             )
     packed = gemm == "packed"
-    amx_bf16 = packed and dtype == torch.bfloat16 and not invariant and _has_amx()
+    quantization = _quantization(config.quantization, packed, gguf, device, fallbacks)
+    amx_bf16 = (
+        packed and dtype == torch.bfloat16 and not invariant and quantization == "none"
+        and _has_amx()
+    )  # fmt: skip
     return EnginePaths(
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
@@ -208,8 +217,38 @@ def native_paths(config: EngineConfig, model, device: torch.device, dtype: torch
         overlap=config.overlap == "on" or (config.overlap == "auto" and device.type == "cuda"),
         invariant=invariant,
         profile_ops=config.profile_ops,
+        quantization=quantization,
         fallbacks=tuple(fallbacks),
     )
+
+
+def _quantization(asked: str, packed: bool, gguf, device, fallbacks: list[str]) -> str:
+    """``quantization`` resolved: "auto" is "gguf" for a GGUF model where the compiled
+    CPU kernels run the projections, else "none"; "gguf" and "int8" need those kernels
+    (and "gguf" a GGUF model): ValueError otherwise."""
+    if asked == "none":
+        return "none"
+    if asked == "auto":
+        if gguf is None:
+            return "none"
+        if not packed:
+            fallbacks.append(
+                "the GGUF's quantization needs the compiled CPU kernels; its weights run "
+                "dequantized"
+            )
+            return "none"
+        return "gguf"
+    if not packed:
+        raise ValueError(
+            f"quantization={asked!r} runs on the compiled CPU kernels (kernels 'auto' or "
+            f"'cpp' on the CPU), not here ({device})"
+        )
+    if asked == "gguf" and gguf is None:
+        raise ValueError(
+            "quantization='gguf' keeps a GGUF file's quantization, but this model is not a "
+            "GGUF file (an alias or a .gguf path); use quantization='int8' or 'none'"
+        )
+    return asked
 
 
 def _graphs(config: EngineConfig, model_config, attention: str, device: torch.device) -> str:

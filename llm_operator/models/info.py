@@ -22,9 +22,12 @@ class ModelInfo(NamedTuple):
     # tokens a row may span on the native engine: max_context, or less where its rope is
     # exact only within a shorter length (longrope's short factors)
     native_max_context: int
+    gguf: Path | None = None  # the GGUF file the model was converted from, if any
 
 
-def read_model_info(path: Path, tokenizer, *, trust_remote_code: bool = False) -> ModelInfo:
+def read_model_info(
+    path: Path, tokenizer, *, trust_remote_code: bool = False, gguf: Path | None = None
+) -> ModelInfo:
     from transformers import AutoConfig
 
     from llm_operator.models.llama import load_generation_config
@@ -35,7 +38,7 @@ def read_model_info(path: Path, tokenizer, *, trust_remote_code: bool = False) -
     max_context = model_context_length(config, tokenizer)
     unsupported, native_max_context = _native_support(config, max_context)
     eos = eos_token_ids(load_generation_config(path), tokenizer)
-    return ModelInfo(Path(path), config, max_context, eos, unsupported, native_max_context)
+    return ModelInfo(Path(path), config, max_context, eos, unsupported, native_max_context, gguf)
 
 
 def model_context_length(config, tokenizer) -> int:
@@ -81,4 +84,5 @@ def open_model(model, config) -> tuple[Any, Any, ModelInfo]:
         model, cache_dir=config.cache_dir, trust_remote_code=trust, revision=config.revision
     )
     tokenizer = load_tokenizer(resolved.path, trust_remote_code=trust)
-    return resolved, tokenizer, read_model_info(resolved.path, tokenizer, trust_remote_code=trust)
+    info = read_model_info(resolved.path, tokenizer, trust_remote_code=trust, gguf=resolved.gguf)
+    return resolved, tokenizer, info

@@ -460,7 +460,12 @@ class LlamaModel(nn.Module):
     def embed(self, input_ids: Tensor) -> Tensor:
         """The token embeddings [T, hidden_size] (Gemma: times sqrt(hidden_size) rounded to
         the model dtype, as HF scales them)."""
-        hidden = self.embed_tokens(input_ids)
+        if self.embed_packed is None:
+            hidden = self.embed_tokens(input_ids)
+        else:  # kept quantized (models.quant)
+            from llm_operator.models.quant import unpack_rows
+
+            hidden = unpack_rows(self.embed_packed, input_ids).to(self.norm.weight.dtype)
         if self.config.gemma:
             hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
         return hidden
@@ -480,7 +485,18 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     head_packed: Tensor | None = None
+    embed_packed: Tensor | None = None  # the embedding table kept quantized (models.quant)
+    quantization = None  # what models.quant.quantize_model did (None: float weights)
     gemm: Gemm = ATEN_GEMM  # the projections' and the head's (``use_gemm``)
+
+    def weight_bytes(self) -> int:
+        """The bytes the model's weights hold in memory: every parameter, packed copy and
+        quantized table, each storage counted once."""
+        tensors = [*self.parameters(), self.head_packed, self.embed_packed]
+        tensors += [m.packed for m in self.modules() if isinstance(m, Linear)]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in tensors if t is not None}  # fmt: skip
+        return sum(storages.values())
 
     def use_gemm(self, gemm: Gemm) -> None:
         """Run every projection and the head through ``gemm`` (``models.gemm``)."""
@@ -495,8 +511,10 @@ class LlamaModel(nn.Module):
         run: not on the CPU, another dtype, kernels not loaded)."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for module in linears:
-            module.packed = pack_weight(module.weight)
-        self.head_packed = pack_weight(self.head_weight)
+            if module.packed is None:  # (quantized ones are packed already)
+                module.packed = pack_weight(module.weight)
+        if self.head_packed is None:
+            self.head_packed = pack_weight(self.head_weight)
         return self.head_packed is not None and all(m.packed is not None for m in linears)
 
 

@@ -101,6 +101,7 @@ class ResolvedModel(NamedTuple):
     path: Path  # a Hugging Face model directory with safetensors weights
     name: str  # the alias or the path the user gave
     source: str  # "alias" | "directory" | "gguf" | "hub"
+    gguf: Path | None = None  # the GGUF file it was converted from (quantization="auto")
 
 
 def known_aliases() -> dict[str, str]:
@@ -172,10 +173,10 @@ def _assembled_file(known: KnownModel, cache_root: Path) -> Path:
     return publish_once(target, Path.is_file, assemble)
 
 
-def _alias_directory(alias: str, cache_root: Path) -> Path:
-    """The converted directory of a known alias: converted (once) from its package's GGUF
-    file, or, when the package is not installed here (e.g. a second venv), the newest
-    finished conversion of it in the cache."""
+def _alias_directory(alias: str, cache_root: Path) -> tuple[Path, Path | None]:
+    """The converted directory of a known alias and its GGUF file: converted (once) from
+    its package's GGUF file, or, when the package is not installed here (e.g. a second
+    venv), the newest finished conversion of it in the cache (and no file)."""
     known = KNOWN_MODELS[alias]
     if find_package_dir(known.package) is None:
         pattern = f"{Path(known.file_name).stem}-{'?' * 16}"  # <gguf stem>-<fingerprint>
@@ -185,8 +186,9 @@ def _alias_directory(alias: str, cache_root: Path) -> Path:
             if is_complete_model_directory(entry)
         ]
         if found:
-            return max(found, key=lambda entry: entry.stat().st_mtime)
-    return convert_gguf_cached(locate_alias_file(alias, cache_root), cache_root)
+            return max(found, key=lambda entry: entry.stat().st_mtime), None
+    gguf_file = locate_alias_file(alias, cache_root)
+    return convert_gguf_cached(gguf_file, cache_root), gguf_file
 
 
 def _looks_like_path(text: str) -> bool:
@@ -220,18 +222,20 @@ def resolve_model(
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"model must name an alias, a directory or a .gguf file, got {model!r}")
     cache_root = default_cache_dir() if cache_dir is None else Path(cache_dir).expanduser()
+    gguf_file = None
     text = name.strip() if isinstance(model, str) else None  # only a str names an alias or id
     path = Path(name).expanduser()
 
     if text is not None and text.lower() in KNOWN_MODELS:
-        directory, source = _alias_directory(text.lower(), cache_root), "alias"
+        (directory, gguf_file), source = _alias_directory(text.lower(), cache_root), "alias"
     elif path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(
                 f"model={name!r} is a file but not a .gguf file; pass a .gguf file, "
                 f"a Hugging Face model directory, or an alias"
             )
-        directory, source = convert_gguf_cached(path.resolve(), cache_root), "gguf"
+        gguf_file = path.resolve()
+        directory, source = convert_gguf_cached(gguf_file, cache_root), "gguf"
     elif path.exists():
         directory, source = path.resolve(), "directory"
     elif text is not None and looks_like_hub_id(text):
@@ -256,7 +260,7 @@ def resolve_model(
         )
         hint = hint if "no *.safetensors weights" in str(error) else ""
         raise ValueError(f"Hub model {text!r}: {error}{hint}") from None
-    return ResolvedModel(path=directory, name=name, source=source)
+    return ResolvedModel(path=directory, name=name, source=source, gguf=gguf_file)
 
 
 # -- Hugging Face Hub ids ---------------------------------------------------------------

@@ -24,6 +24,9 @@ class SystemSpec:
     workloads that have labels (classify). The other systems generate freely there, up to
     the workload's stop strings.
 
+    The operator systems run float weights (``quantization="none"``) unless their options
+    say otherwise (``native-gguf``, ``native-int8``).
+
     ``dtype`` (None: float32 for vLLM, the library's "auto" otherwise) and ``block_size``
     (vLLM's KV block in tokens, vLLM systems only; None: ``--vllm-block-size``, else vLLM's
     own) let systems that differ only there run side by side in one benchmark.
@@ -159,6 +162,20 @@ SYSTEMS: dict[str, SystemSpec] = {
             "native-nondet with bfloat16 weights, activations and KV cache",
             {"backend": "native", "deterministic": False},
             dtype="bfloat16",
+        ),
+        SystemSpec(
+            "native-gguf",
+            "operator",
+            "native on the GGUF file's own quantized weights, kept quantized (SmolLM2: Q4_1 "
+            "projections, Q8_0 embedding and head): int8 dot products, fp32 activations",
+            {"backend": "native", "quantization": "gguf"},
+        ),
+        SystemSpec(
+            "native-int8",
+            "operator",
+            "native with every projection and the head quantized to 8 bits at load (groups "
+            "of 32): int8 dot products, fp32 activations",
+            {"backend": "native", "quantization": "int8"},
         ),
         SystemSpec(
             "vllm-plan",

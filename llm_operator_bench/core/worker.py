@@ -134,6 +134,7 @@ class OperatorSystem:
     def __init__(self, model: str, options: dict[str, Any]) -> None:
         from llm_operator import LLMOperator
 
+        options.setdefault("quantization", "none")  # float weights unless the system says
         self.operator = LLMOperator(model, **options)
         with _Timer() as timer:
             backend = self.operator.backend()
@@ -162,6 +163,9 @@ class OperatorSystem:
         }
         if stats.engine_paths:  # how the native engine ran its steps
             outcome["engine_paths"] = stats.engine_paths
+        model = getattr(self.operator.backend(), "model", None)
+        if callable(getattr(model, "weight_bytes", None)):
+            outcome["weight_bytes"] = model.weight_bytes()
         decode = backend_decode_profile(self.operator.backend())
         if decode is not None:
             outcome["decode_profile"] = decode

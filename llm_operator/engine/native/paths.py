@@ -17,6 +17,8 @@ and the decode graphs read these fields.
     graphs       decode steps as CUDA graphs: "capture" (CUDA), "replay" (the graphs'
                  static buffers run eagerly: the CPU test of that path), "off"
     overlap      the next iteration scheduled while the device runs this one (greedy runs)
+    quantization the projections' weights: "none" (float, the model dtype), "gguf" (the GGUF
+                 file's blocks kept), "int8" (quantized at load); ``models/quant.py``
     invariant    batch-invariant attention (fixed key steps through block-aligned
                  segments) and GEMM: a row's tokens do not depend on its batch
     profile_ops  each iteration's seconds by kind of work (``op_profile.py``)
@@ -43,6 +45,7 @@ class EnginePaths:
     overlap: bool
     invariant: bool
     profile_ops: bool = False
+    quantization: str = "none"
     fallbacks: tuple[str, ...] = ()
 
     @property
@@ -64,6 +67,8 @@ class EnginePaths:
             f"overlap={'on' if self.overlap else 'off'}",
             f"deterministic={'on' if self.invariant else 'off'}",
         ]
+        if self.quantization != "none":
+            parts.append(f"quantization={self.quantization}")
         if self.profile_ops:
             parts.append("profile_ops=on")
         text = ", ".join(parts)
