@@ -318,7 +318,7 @@ void packed_linear_impl(const X* x, int64_t M, int64_t K, const W* packed, int64
 constexpr int QGROUP = 32;
 constexpr int64_t Q4_GROUP_BYTES = 256 + 64, Q8_GROUP_BYTES = 512 + 64;
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-constexpr int QUANT_TILE = 4;  // rows per weight load: 4 int16 + 4 fp32 accumulators
+constexpr int QUANT_TILE = 2;  // rows per weight load (4 bits; 8 bits take 2 of them at a time)
 #else
 constexpr int QUANT_TILE = 1;
 #endif
@@ -410,9 +410,10 @@ void quant_block_scalar(const QuantizedRows& rows, int64_t m0, int M, int64_t K,
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// M rows against one 16-column block, 8 columns (one half of each 64-byte chunk) at a time:
-// u8 x s8 pair products (VPMADDUBSW) summed in int16 over a group (4 bits: at most
-// 16 * 15 * 127 = 30480; 8 bits as two nibbles, each summed so), then widened (VPMADDWD).
+// M rows against one 16-column block: u8 x s8 pair products (VPMADDUBSW) of both 8-column
+// halves of a chunk from one broadcast of the row's 4 activations, summed in int16 over a
+// group (4 bits: at most 16 * 15 * 127 = 30480; 8 bits as two nibbles, each summed so),
+// then widened (VPMADDWD) and scaled in fp32 once per group.
 template <int M, int BITS, typename T>
 __attribute__((noinline)) void quant_block(const QuantizedRows& rows, int64_t m0, int64_t K,
                                            const uint8_t* __restrict w, const float* bias,
@@ -420,7 +421,7 @@ __attribute__((noinline)) void quant_block(const QuantizedRows& rows, int64_t m0
                                            int64_t N) {
   const int64_t groups = K / QGROUP, group_bytes = BITS == 4 ? Q4_GROUP_BYTES : Q8_GROUP_BYTES;
   const int quant_bytes = BITS == 4 ? 256 : 512;
-  const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const __m256i nibble = _mm256_set1_epi8(15);
   const int8_t* qa = rows.qa.data() + m0 * K;
   const float* d = rows.d.data() + m0 * groups;
   const float* s = rows.s.data() + m0 * groups;
@@ -429,63 +430,76 @@ __attribute__((noinline)) void quant_block(const QuantizedRows& rows, int64_t m0
     std::memcpy(&four, p, sizeof(four));
     return _mm256_set1_epi32(four);
   };
-  for (int half = 0; half < 2; ++half) {
-    __m256 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* base = w + g * group_bytes;
-      __m256i dots[M];
-      if constexpr (BITS == 4) {
-        __m256i sums[M];
-        for (int m = 0; m < M; ++m) sums[m] = _mm256_setzero_si256();
-        for (int c = 0; c < 4; ++c) {
-          const __m256i v =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 64 * c + 32 * half));
-          const __m256i lo = _mm256_and_si256(v, nibble);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-          for (int m = 0; m < M; ++m) {
-            const int8_t* a = qa + m * K + g * QGROUP + 8 * c;
-            sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(lo, broadcast(a)));
-            sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(hi, broadcast(a + 4)));
-          }
+  auto load = [](const uint8_t* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  };
+  auto widen = [](__m256i sums) { return _mm256_madd_epi16(sums, _mm256_set1_epi16(1)); };
+  __m256 acc[M][2];
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* base = w + g * group_bytes;
+    const int8_t* a = qa + g * QGROUP;
+    __m256i dots[M][2];
+    if constexpr (BITS == 4) {
+      __m256i sums[M][2];
+      for (int m = 0; m < M; ++m) sums[m][0] = sums[m][1] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v0 = load(base + 64 * c), v1 = load(base + 64 * c + 32);
+        const __m256i lo0 = _mm256_and_si256(v0, nibble), lo1 = _mm256_and_si256(v1, nibble);
+        const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
+        const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
+        for (int m = 0; m < M; ++m) {
+          const __m256i first = broadcast(a + m * K + 8 * c);
+          const __m256i second = broadcast(a + m * K + 8 * c + 4);
+          sums[m][0] = _mm256_add_epi16(sums[m][0], _mm256_maddubs_epi16(lo0, first));
+          sums[m][1] = _mm256_add_epi16(sums[m][1], _mm256_maddubs_epi16(lo1, first));
+          sums[m][0] = _mm256_add_epi16(sums[m][0], _mm256_maddubs_epi16(hi0, second));
+          sums[m][1] = _mm256_add_epi16(sums[m][1], _mm256_maddubs_epi16(hi1, second));
         }
-        for (int m = 0; m < M; ++m) dots[m] = _mm256_madd_epi16(sums[m], ones);
-      } else {
-        __m256i low[M], high[M];
-        for (int m = 0; m < M; ++m) low[m] = high[m] = _mm256_setzero_si256();
-        for (int r = 0; r < 8; ++r) {
-          const __m256i v =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 64 * r + 32 * half));
-          const __m256i lo = _mm256_and_si256(v, nibble);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-          for (int m = 0; m < M; ++m) {
-            const __m256i a = broadcast(qa + m * K + g * QGROUP + 4 * r);
-            low[m] = _mm256_add_epi16(low[m], _mm256_maddubs_epi16(lo, a));
-            high[m] = _mm256_add_epi16(high[m], _mm256_maddubs_epi16(hi, a));
-          }
-        }
-        for (int m = 0; m < M; ++m)
-          dots[m] = _mm256_add_epi32(_mm256_madd_epi16(low[m], ones),
-                                     _mm256_slli_epi32(_mm256_madd_epi16(high[m], ones), 4));
       }
+      for (int m = 0; m < M; ++m) {
+        dots[m][0] = widen(sums[m][0]);
+        dots[m][1] = widen(sums[m][1]);
+      }
+    } else {
+      __m256i low[M][2], high[M][2];
+      for (int m = 0; m < M; ++m)
+        low[m][0] = low[m][1] = high[m][0] = high[m][1] = _mm256_setzero_si256();
+      for (int r = 0; r < 8; ++r) {
+        const __m256i v0 = load(base + 64 * r), v1 = load(base + 64 * r + 32);
+        const __m256i lo0 = _mm256_and_si256(v0, nibble), lo1 = _mm256_and_si256(v1, nibble);
+        const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
+        const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
+        for (int m = 0; m < M; ++m) {
+          const __m256i four = broadcast(a + m * K + 4 * r);
+          low[m][0] = _mm256_add_epi16(low[m][0], _mm256_maddubs_epi16(lo0, four));
+          low[m][1] = _mm256_add_epi16(low[m][1], _mm256_maddubs_epi16(lo1, four));
+          high[m][0] = _mm256_add_epi16(high[m][0], _mm256_maddubs_epi16(hi0, four));
+          high[m][1] = _mm256_add_epi16(high[m][1], _mm256_maddubs_epi16(hi1, four));
+        }
+      }
+      for (int m = 0; m < M; ++m)
+        for (int h = 0; h < 2; ++h)
+          dots[m][h] = _mm256_add_epi32(widen(low[m][h]), _mm256_slli_epi32(widen(high[m][h]), 4));
+    }
+    for (int h = 0; h < 2; ++h) {
       const __m256 scale = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + quant_bytes + 16 * half)));
-      const __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(base + quant_bytes + 32 + 16 * half)));
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + quant_bytes + 16 * h)));
+      const __m256 minimum = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + quant_bytes + 32 + 16 * h)));
       for (int m = 0; m < M; ++m) {
         const __m256 factor = _mm256_mul_ps(scale, _mm256_set1_ps(d[m * groups + g]));
-        acc[m] = _mm256_fmadd_ps(factor, _mm256_cvtepi32_ps(dots[m]), acc[m]);
-        acc[m] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(s[m * groups + g]), acc[m]);
+        acc[m][h] = _mm256_fmadd_ps(factor, _mm256_cvtepi32_ps(dots[m][h]), acc[m][h]);
+        acc[m][h] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(s[m * groups + g]), acc[m][h]);
       }
     }
-    const int j0 = 8 * half, count = std::min(8, width - j0);
-    for (int m = 0; m < M; ++m) {
-      float row[8];
-      _mm256_storeu_ps(row, acc[m]);
-      T* dst = out + (m0 + m) * N + n0 + j0;
-      for (int j = 0; j < count; ++j)
-        store_float(dst + j, bias ? row[j] + bias[n0 + j0 + j] : row[j]);
-    }
+  }
+  for (int m = 0; m < M; ++m) {
+    float row[LANES];
+    _mm256_storeu_ps(row, acc[m][0]);
+    _mm256_storeu_ps(row + 8, acc[m][1]);
+    T* dst = out + (m0 + m) * N + n0;
+    for (int j = 0; j < width; ++j) store_float(dst + j, bias ? row[j] + bias[n0 + j] : row[j]);
   }
 }
 #endif
@@ -508,12 +522,18 @@ void quantized_linear_impl(const T* x, int64_t M, int64_t K, const at::Tensor& p
       for (int64_t m0 = 0; m0 < M; m0 += QUANT_TILE) {
         const int tile = static_cast<int>(std::min<int64_t>(QUANT_TILE, M - m0));
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-        with_rows<QUANT_TILE>(tile, [&](auto R) {
-          if (bits == 4)
+        if (bits == 4) {
+          with_rows<QUANT_TILE>(tile, [&](auto R) {
             quant_block<R, 4>(rows, m0, K, w, bias, n0, width, out, N);
-          else
-            quant_block<R, 8>(rows, m0, K, w, bias, n0, width, out, N);
-        });
+          });
+        } else {  // two rows' nibble sums fill the 16 vector registers
+          for (int64_t r0 = m0; r0 < m0 + tile; r0 += 2) {
+            if (m0 + tile - r0 >= 2)
+              quant_block<2, 8>(rows, r0, K, w, bias, n0, width, out, N);
+            else
+              quant_block<1, 8>(rows, r0, K, w, bias, n0, width, out, N);
+          }
+        }
 #else
         if (bits == 4)
           quant_block_scalar<4>(rows, m0, tile, K, w, bias, n0, width, out, N);

@@ -263,45 +263,95 @@ def _freed(weight: Tensor) -> torch.nn.Parameter:
     return torch.nn.Parameter(stand_in, requires_grad=False)
 
 
-def quantize_model(model, mode: str, gguf_path: Path | None) -> ModelQuantization:
+PACKED_FORMAT = "q32v1"  # the packed layout's version, in the cache file's name
+
+
+def quantize_model(
+    model, mode: str, gguf_path: Path | None, cache_dir: Path | None = None
+) -> ModelQuantization:
     """Pack ``model``'s projections and LM head quantized (``mode`` "gguf": the GGUF file's
     own blocks, checked against the loaded weights; "int8": every weight quantized here)
     and free their float copies. From a GGUF, the embedding table is kept quantized too
-    (``model.embed_packed``, looked up by ``unpack_rows``). ValueError where the file's
-    tensors do not match the model."""
+    (``model.embed_packed``, looked up by ``unpack_rows``), and the packed tensors are
+    cached in ``cache_dir``/quantized (read once from the file, which is slow to parse).
+    ValueError where the file's tensors do not match the model."""
     from llm_operator.models.llama import Linear
 
-    config = model.config
     if mode == "gguf":
-        weights = _gguf_weights(model, gguf_path)
+        packed, sources = _gguf_packed(model, gguf_path, cache_dir)
     else:
-        weights = {}
-        for name, module in model.named_modules():
-            if isinstance(module, Linear) and module.weight.shape[1] % GROUP == 0:
-                weights[name] = quantize_int8(module.weight)
-        if config.hidden_size % GROUP == 0:
+        weights = {
+            name: quantize_int8(module.weight)
+            for name, module in model.named_modules()
+            if isinstance(module, Linear) and module.weight.shape[1] % GROUP == 0
+        }
+        if model.config.hidden_size % GROUP == 0:
             weights["head"] = quantize_int8(model.head_weight)
-    total, sources = 0, set()
+        packed = {name: pack(weight) for name, weight in weights.items()}
+        sources = {name: weight.source for name, weight in weights.items()}
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and name in weights:
-            module.packed = pack(weights[name])
+        if isinstance(module, Linear) and name in packed:
+            module.packed = packed[name]
             module.weight = _freed(module.weight)
-            total += module.packed.nbytes
-            sources.add(weights[name].source)
-    if "head" in weights:
-        model.head_packed = pack(weights["head"])
-        total += model.head_packed.nbytes
-        sources.add(weights["head"].source)
+    if "head" in packed:
+        model.head_packed = packed["head"]
         if model.lm_head is not None:
             model.lm_head.weight = _freed(model.lm_head.weight)
-    if "embed" in weights:  # from a GGUF: the table stays quantized (tied: the head's)
-        tied = weights["embed"] is weights.get("head")
-        model.embed_packed = model.head_packed if tied else pack(weights["embed"])
-        total += 0 if tied else model.embed_packed.nbytes
+    if "embed" in sources:  # from a GGUF: the table stays quantized (tied: the head's)
+        model.embed_packed = packed.get("embed", model.head_packed)
         model.embed_tokens.weight = _freed(model.embed_tokens.weight)
-    description = ("gguf " if mode == "gguf" else "") + "+".join(sorted(sources))
+    total = sum(tensor.nbytes for tensor in packed.values())
+    kinds = sorted({source for source in sources.values()})
+    description = ("gguf " if mode == "gguf" else "") + "+".join(kinds)
     logger.info("quantized linears (%s): %.1f MB packed", description, total / 1e6)
     return ModelQuantization(mode, description, total)
+
+
+def _gguf_packed(
+    model, gguf_path: Path | None, cache_dir: Path | None
+) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """(name -> packed tensor, name -> its GGUF type) of the GGUF's weights; built once
+    per file into ``cache_dir``/quantized (a tied embedding is the head: "embed" is then
+    only in the sources)."""
+    from safetensors.torch import load_file, save_file
+
+    from llm_operator.models.gguf import ensure_writable_cache, gguf_fingerprint, publish_once
+
+    if gguf_path is None:
+        raise ValueError("quantization='gguf' needs a GGUF model (an alias or a .gguf file)")
+
+    def build() -> tuple[dict[str, Tensor], dict[str, str]]:
+        weights = _gguf_weights(model, gguf_path)
+        tied = weights.get("embed") is not None and weights.get("embed") is weights.get("head")
+        packed = {name: pack(w) for name, w in weights.items() if not (tied and name == "embed")}
+        return packed, {name: w.source for name, w in weights.items()}
+
+    if cache_dir is None:
+        return build()
+    target = (
+        Path(cache_dir) / "quantized"
+        / f"{gguf_path.stem}-{gguf_fingerprint(gguf_path)}-{PACKED_FORMAT}.safetensors"
+    )  # fmt: skip
+    if not target.is_file():
+        try:
+            ensure_writable_cache(Path(cache_dir))
+        except OSError as error:
+            logger.warning("not caching the packed weights: %s", error)
+            return build()
+
+        def write(folder: Path) -> Path:
+            packed, sources = build()
+            path = folder / target.name
+            save_file(packed, str(path), metadata=sources)
+            path.chmod(0o644)
+            return path
+
+        publish_once(target, Path.is_file, write)
+    from safetensors import safe_open
+
+    with safe_open(str(target), framework="pt") as handle:
+        sources = dict(handle.metadata() or {})
+    return load_file(str(target)), sources
 
 
 def _gguf_weights(model, gguf_path: Path | None) -> dict[str, Quantized]:
