@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from llm_operator.models import fused
 from llm_operator.models.fused import FusedOps
 from llm_operator.models.gemm import ATEN_GEMM, Gemm, pack_weight
+from llm_operator.models.quant import unpack_rows
 from llm_operator.models.rope import (
     RotaryEmbedding,
     apply_rotary,
@@ -463,8 +464,6 @@ class LlamaModel(nn.Module):
         if self.embed_packed is None:
             hidden = self.embed_tokens(input_ids)
         else:  # kept quantized (models.quant)
-            from llm_operator.models.quant import unpack_rows
-
             hidden = unpack_rows(self.embed_packed, input_ids).to(self.norm.weight.dtype)
         if self.config.gemma:
             hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
@@ -488,6 +487,10 @@ class LlamaModel(nn.Module):
     embed_packed: Tensor | None = None  # the embedding table kept quantized (models.quant)
     quantization = None  # what models.quant.quantize_model did (None: float weights)
     gemm: Gemm = ATEN_GEMM  # the projections' and the head's (``use_gemm``)
+
+    def named_linears(self) -> dict[str, Linear]:
+        """Every projection by its module name ("layers.0.qkv_proj", ...)."""
+        return {name: m for name, m in self.named_modules() if isinstance(m, Linear)}
 
     def weight_bytes(self) -> int:
         """The bytes the model's weights hold in memory: every parameter, packed copy and

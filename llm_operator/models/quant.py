@@ -275,22 +275,21 @@ def quantize_model(
     (``model.embed_packed``, looked up by ``unpack_rows``), and the packed tensors are
     cached in ``cache_dir``/quantized (read once from the file, which is slow to parse).
     ValueError where the file's tensors do not match the model."""
-    from llm_operator.models.llama import Linear
-
+    linears = model.named_linears()
     if mode == "gguf":
         packed, sources = _gguf_packed(model, gguf_path, cache_dir)
     else:
         weights = {
             name: quantize_int8(module.weight)
-            for name, module in model.named_modules()
-            if isinstance(module, Linear) and module.weight.shape[1] % GROUP == 0
+            for name, module in linears.items()
+            if module.weight.shape[1] % GROUP == 0
         }
         if model.config.hidden_size % GROUP == 0:
             weights["head"] = quantize_int8(model.head_weight)
         packed = {name: pack(weight) for name, weight in weights.items()}
         sources = {name: weight.source for name, weight in weights.items()}
-    for name, module in model.named_modules():
-        if isinstance(module, Linear) and name in packed:
+    for name, module in linears.items():
+        if name in packed:
             module.packed = packed[name]
             module.weight = _freed(module.weight)
     if "head" in packed:
