@@ -30,20 +30,22 @@ def _synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_linear(x, weight, device, *, warmup: int, repeats: int) -> list[float]:
-    """Seconds of ``repeats`` calls of linear(x, weight) after at least ``warmup`` untimed
-    ones (and WARMUP_SECONDS of them); fewer repeats once SECONDS_PER_SHAPE have passed."""
+def _time_linear(x, weight, device, *, warmup: int, repeats: int, linear=None) -> list[float]:
+    """Seconds of ``repeats`` calls of linear(x, weight) (torch's, unless given) after at
+    least ``warmup`` untimed ones (and WARMUP_SECONDS of them); fewer repeats once
+    SECONDS_PER_SHAPE have passed."""
     import torch
 
+    linear = linear or torch.nn.functional.linear
     started, calls = time.perf_counter(), 0
     while calls < warmup or (warmup and time.perf_counter() - started < WARMUP_SECONDS):
-        torch.nn.functional.linear(x, weight)  # first calls: oneDNN/AMX set-up, caches
+        linear(x, weight)  # first calls: oneDNN/AMX set-up, caches
         _synchronize(device)
         calls += 1
     seconds: list[float] = []
     while len(seconds) < repeats and (not seconds or sum(seconds) < SECONDS_PER_SHAPE):
         started = time.perf_counter()
-        torch.nn.functional.linear(x, weight)
+        linear(x, weight)
         _synchronize(device)
         seconds.append(time.perf_counter() - started)
     return seconds
@@ -105,6 +107,49 @@ def measure_matmul_rate(
                 result[name] = {"error": f"{type(error).__name__}: {error}"}
                 continue
             result[name] = {"gflops": total_flop / total_seconds / 1e9, "by_shape": by_shape}
+        if where.type == "cpu":
+            result.update(_quantized_rates(shapes, tokens, warmup, repeats, generator))
+    return result
+
+
+QUANTIZED_RATES = ("int8-q4", "int8-q8")  # our quantized kernel: 4- and 8-bit weights
+
+
+def _quantized_rates(shapes, tokens: int, warmup: int, repeats: int, generator) -> dict:
+    """GOP/s of the compiled kernel's quantized linear (int8 dot products, fp32 activations
+    quantized per row) on the same shapes, with 4-bit and 8-bit weights; {} without the
+    compiled kernels or where the input features are not groups of 32."""
+    import torch
+
+    from llm_operator.kernels import cpu_extension
+    from llm_operator.models import quant
+
+    module = cpu_extension.load()
+    if module is None or any(rows % quant.GROUP for _, rows, _ in shapes):
+        return {}
+    result = {}
+    for name, bits in zip(QUANTIZED_RATES, (4, 8), strict=True):
+        by_shape: dict[str, float] = {}
+        total_flop, total_seconds = 0.0, 0.0
+        for projection, rows, cols in shapes:
+            x = torch.randn(tokens, rows, generator=generator)
+            weight = quant.quantize_int8(torch.randn(cols, rows, generator=generator))
+            if bits == 4:
+                weight = weight._replace(q=weight.q >> 4, bits=4)
+            packed = quant.pack(weight)
+
+            def linear(x, packed, cols=cols):
+                return module.packed_linear(x, packed, None, cols)
+
+            seconds = statistics.median(
+                _time_linear(x, packed, torch.device("cpu"), warmup=warmup, repeats=repeats,
+                             linear=linear)
+            )  # fmt: skip
+            flop = 2.0 * tokens * rows * cols
+            by_shape[projection] = flop / seconds / 1e9
+            total_flop += flop
+            total_seconds += seconds
+        result[name] = {"gflops": total_flop / total_seconds / 1e9, "by_shape": by_shape}
     return result
 
 

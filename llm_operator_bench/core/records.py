@@ -21,6 +21,10 @@ from llm_operator_bench.core.rate import rate_for
 from llm_operator_bench.core.systems import BASELINE, VLLM_REFERENCE, SystemSpec, runs_on
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def _normalize(ids: Sequence[int], eos_ids: set[int]) -> list[int]:
     """Generated ids without trailing EOS (systems differ in whether they keep it)."""
     ids = list(ids)
@@ -152,6 +156,7 @@ def build_records(
                 prefill_vs_min=run["prefill_tokens_computed"] / summary["min_prefill_tokens"],
                 peak_rss_bytes=run.get("peak_rss_bytes"),
                 peak_device_bytes=run.get("peak_device_bytes"),
+                weight_bytes=run.get("weight_bytes"),
                 device=result.get("device"),
                 dtype=result.get("dtype"),
                 torch_threads=result.get("torch_threads"),
@@ -181,6 +186,22 @@ def build_records(
         record["agreement_with_hf_static"] = (
             sum(a == b for a, b in zip(mine, baseline)) / len(mine) if baseline else None
         )
+        # against every other system on this workload: the rows with the same output, and
+        # the tokens before each row's first difference over the other's tokens
+        others = {
+            system: theirs
+            for (system, workload), theirs in outputs.items()
+            if workload == record["workload"] and system != record["system"]
+        }
+        record["same_output_as"] = {
+            system: sum(a == b for a, b in zip(mine, theirs)) / len(mine)
+            for system, theirs in others.items()
+        }
+        record["tokens_agreeing_with"] = {
+            system: sum(_common_prefix(a, b) for a, b in zip(mine, theirs))
+            / max(1, sum(len(b) for b in theirs))
+            for system, theirs in others.items()
+        }
         for key, reference in (("vs_hf_static", BASELINE), ("vs_vllm", VLLM_REFERENCE)):
             other = next(
                 (

@@ -254,6 +254,13 @@ SYSTEMS: dict[str, SystemSpec] = {
             "llamacpp on an F32 GGUF converted from the same weights (llama.cpp's f16 KV)",
             {"gguf": "f32"},
         ),
+        SystemSpec(
+            "llamacpp-f32-1slot",
+            "llamacpp",
+            "llamacpp-f32 with one slot, one request in flight (its best configuration on "
+            "shared prefixes)",
+            {"gguf": "f32", "parallel": 1},
+        ),
     )
 }
 
