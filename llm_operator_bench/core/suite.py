@@ -145,9 +145,11 @@ def run_benchmark(
                 continue
             spec_block_size = spec.block_size if spec.block_size is not None else vllm_block_size
             options = _vllm_backend_options(kv_cache_gib, spec_block_size, vllm_eager)
+        gguf = operator.model_info.gguf  # a quantized system runs the GGUF file itself
+        quantized = spec.options.get("quantization", "none") != "none" and gguf is not None
         raw[spec.name] = run_worker_system(
             spec,
-            model_path,
+            str(gguf) if quantized else model_path,
             prepared,
             repeat=repeat,
             options=options,
