@@ -300,7 +300,7 @@ def quantize_model(
         model.embed_packed = packed.get("embed", model.head_packed)
         model.embed_tokens.weight = _freed(model.embed_tokens.weight)
     total = sum(tensor.nbytes for tensor in packed.values())
-    kinds = sorted({source for source in sources.values()})
+    kinds = sorted({part for source in sources.values() for part in source.split("+")})
     description = ("gguf " if mode == "gguf" else "") + "+".join(kinds)
     logger.info("quantized linears (%s): %.1f MB packed", description, total / 1e6)
     return ModelQuantization(mode, description, total)

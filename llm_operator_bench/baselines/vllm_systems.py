@@ -101,7 +101,7 @@ def find_vllm_python(explicit: str | None = None) -> str:
             raise VLLMUnavailable(
                 f"{source} names {python!r}, which cannot import vllm; {HOW_TO_GET_VLLM}"
             )
-        return python
+        return os.path.abspath(python)  # the runner starts in another folder
     tried = []
     for folder in dict.fromkeys([Path.cwd(), _checkout_root()]):
         python = _venv_python(folder)
