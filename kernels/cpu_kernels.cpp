@@ -27,6 +27,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -434,6 +435,14 @@ __attribute__((noinline)) void quant_block(const QuantizedRows& rows, int64_t m0
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   };
   auto widen = [](__m256i sums) { return _mm256_madd_epi16(sums, _mm256_set1_epi16(1)); };
+  // a 64-byte chunk's low and high nibbles, for the 8-column halves 0 and 1
+  auto nibbles = [&](const uint8_t* chunk) {
+    const __m256i v0 = load(chunk), v1 = load(chunk + 32);
+    return std::array<__m256i, 4>{
+        _mm256_and_si256(v0, nibble), _mm256_and_si256(v1, nibble),
+        _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble),
+        _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble)};
+  };
   __m256 acc[M][2];
   for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -444,10 +453,7 @@ __attribute__((noinline)) void quant_block(const QuantizedRows& rows, int64_t m0
       __m256i sums[M][2];
       for (int m = 0; m < M; ++m) sums[m][0] = sums[m][1] = _mm256_setzero_si256();
       for (int c = 0; c < 4; ++c) {
-        const __m256i v0 = load(base + 64 * c), v1 = load(base + 64 * c + 32);
-        const __m256i lo0 = _mm256_and_si256(v0, nibble), lo1 = _mm256_and_si256(v1, nibble);
-        const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
-        const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
+        const auto [lo0, lo1, hi0, hi1] = nibbles(base + 64 * c);
         for (int m = 0; m < M; ++m) {
           const __m256i first = broadcast(a + m * K + 8 * c);
           const __m256i second = broadcast(a + m * K + 8 * c + 4);
@@ -466,10 +472,7 @@ __attribute__((noinline)) void quant_block(const QuantizedRows& rows, int64_t m0
       for (int m = 0; m < M; ++m)
         low[m][0] = low[m][1] = high[m][0] = high[m][1] = _mm256_setzero_si256();
       for (int r = 0; r < 8; ++r) {
-        const __m256i v0 = load(base + 64 * r), v1 = load(base + 64 * r + 32);
-        const __m256i lo0 = _mm256_and_si256(v0, nibble), lo1 = _mm256_and_si256(v1, nibble);
-        const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
-        const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
+        const auto [lo0, lo1, hi0, hi1] = nibbles(base + 64 * r);
         for (int m = 0; m < M; ++m) {
           const __m256i four = broadcast(a + m * K + 4 * r);
           low[m][0] = _mm256_add_epi16(low[m][0], _mm256_maddubs_epi16(lo0, four));
