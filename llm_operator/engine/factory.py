@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from pathlib import Path
 
 import torch
 
@@ -114,11 +113,10 @@ def _native(config: EngineConfig, info: ModelInfo, tokenizer, device, dtype):
     paths = native_paths(config, model, device, dtype, gguf=info.gguf)
     if paths.quantization != "none":
         from llm_operator.models.quant import quantize_model
-        from llm_operator.models.registry import default_cache_dir
+        from llm_operator.models.registry import cache_root
 
-        cache = default_cache_dir() if config.cache_dir is None else Path(config.cache_dir)
         model.quantization = quantize_model(
-            model, paths.quantization, info.gguf, cache.expanduser()
+            model, paths.quantization, info.gguf, cache_root(config.cache_dir)
         )
     config = config.with_batch_defaults(gpu_memory(device, config.gpu_share))
     return NativeBackend(model, config, paths, kv_cache_bytes=kv_budget(config, device))

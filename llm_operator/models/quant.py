@@ -31,7 +31,6 @@ logger = logging.getLogger(__name__)
 
 GROUP = 32  # weights per group along the input features
 LANES = 16  # output rows per packed block (the kernel's)
-QUANTIZATION_MODES = ("auto", "none", "gguf", "int8")
 # GGUF types kept as they are (the rest are quantized to 8 bits from their values)
 EXACT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 KEPT_TYPES = EXACT_TYPES + ("Q4_K",)
@@ -312,7 +311,8 @@ def _gguf_packed(
     """(name -> packed tensor, name -> its GGUF type) of the GGUF's weights; built once
     per file into ``cache_dir``/quantized (a tied embedding is the head: "embed" is then
     only in the sources)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+    from safetensors.torch import save_file
 
     from llm_operator.models.gguf import ensure_writable_cache, gguf_fingerprint, publish_once
 
@@ -346,20 +346,15 @@ def _gguf_packed(
             return path
 
         publish_once(target, Path.is_file, write)
-    from safetensors import safe_open
-
     with safe_open(str(target), framework="pt") as handle:
-        sources = dict(handle.metadata() or {})
-    return load_file(str(target)), sources
+        return {name: handle.get_tensor(name) for name in handle.keys()}, handle.metadata() or {}
 
 
-def _gguf_weights(model, gguf_path: Path | None) -> dict[str, Quantized]:
+def _gguf_weights(model, gguf_path: Path) -> dict[str, Quantized]:
     """Our module name -> its weight from the GGUF file (q, k, v and gate, up concatenated
     as the model fuses them; "head" and "embed" for the LM head and the embedding)."""
     from gguf import GGUFReader
 
-    if gguf_path is None:
-        raise ValueError("quantization='gguf' needs a GGUF model (an alias or a .gguf file)")
     config = model.config
     tensors = {tensor.name: tensor for tensor in GGUFReader(str(gguf_path)).tensors}
 

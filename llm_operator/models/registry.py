@@ -115,6 +115,11 @@ def default_cache_dir() -> Path:
     return Path(from_env).expanduser() if from_env else Path.home() / ".cache" / "llm-operator"
 
 
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The cache folder: ``cache_dir`` (the option) when given, else `default_cache_dir()`."""
+    return default_cache_dir() if cache_dir is None else Path(cache_dir).expanduser()
+
+
 def find_package_dir(package: str) -> Path | None:
     """The folder of an installed package, found without importing it; None if absent."""
     try:
@@ -221,13 +226,13 @@ def resolve_model(
     name = os.fspath(model)
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"model must name an alias, a directory or a .gguf file, got {model!r}")
-    cache_root = default_cache_dir() if cache_dir is None else Path(cache_dir).expanduser()
+    root = cache_root(cache_dir)
     gguf_file = None
     text = name.strip() if isinstance(model, str) else None  # only a str names an alias or id
     path = Path(name).expanduser()
 
     if text is not None and text.lower() in KNOWN_MODELS:
-        (directory, gguf_file), source = _alias_directory(text.lower(), cache_root), "alias"
+        (directory, gguf_file), source = _alias_directory(text.lower(), root), "alias"
     elif path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(
@@ -235,7 +240,7 @@ def resolve_model(
                 f"a Hugging Face model directory, or an alias"
             )
         gguf_file = path.resolve()
-        directory, source = convert_gguf_cached(gguf_file, cache_root), "gguf"
+        directory, source = convert_gguf_cached(gguf_file, root), "gguf"
     elif path.exists():
         directory, source = path.resolve(), "directory"
     elif text is not None and looks_like_hub_id(text):

@@ -90,23 +90,15 @@ def measure_matmul_rate(
             dtype = getattr(torch, name, None)
             if not isinstance(dtype, torch.dtype):
                 raise ValueError(f"dtype {name!r} is not a torch dtype")
-            by_shape: dict[str, float] = {}
-            total_flop, total_seconds = 0.0, 0.0
             try:
-                for projection, rows, cols in shapes:
+
+                def operands(rows, cols, dtype=dtype):
                     x = torch.randn(tokens, rows, generator=generator).to(where, dtype)
-                    weight = torch.randn(cols, rows, generator=generator).to(where, dtype)
-                    seconds = statistics.median(
-                        _time_linear(x, weight, where, warmup=warmup, repeats=repeats)
-                    )
-                    flop = 2.0 * tokens * rows * cols
-                    by_shape[projection] = flop / seconds / 1e9
-                    total_flop += flop
-                    total_seconds += seconds
+                    return x, torch.randn(cols, rows, generator=generator).to(where, dtype), None
+
+                result[name] = _rate_on_shapes(shapes, tokens, where, warmup, repeats, operands)
             except (RuntimeError, TypeError) as error:  # e.g. no kernel for this dtype here
                 result[name] = {"error": f"{type(error).__name__}: {error}"}
-                continue
-            result[name] = {"gflops": total_flop / total_seconds / 1e9, "by_shape": by_shape}
         if where.type == "cpu":
             result.update(_quantized_rates(shapes, tokens, warmup, repeats, generator))
     return result
@@ -129,28 +121,39 @@ def _quantized_rates(shapes, tokens: int, warmup: int, repeats: int, generator) 
         return {}
     result = {}
     for name, bits in zip(QUANTIZED_RATES, (4, 8), strict=True):
-        by_shape: dict[str, float] = {}
-        total_flop, total_seconds = 0.0, 0.0
-        for projection, rows, cols in shapes:
-            x = torch.randn(tokens, rows, generator=generator)
+
+        def operands(rows, cols, bits=bits):
             weight = quant.quantize_int8(torch.randn(cols, rows, generator=generator))
             if bits == 4:
                 weight = weight._replace(q=weight.q >> 4, bits=4)
-            packed = quant.pack(weight)
 
-            def linear(x, packed, cols=cols):
+            def linear(x, packed):
                 return module.packed_linear(x, packed, None, cols)
 
-            seconds = statistics.median(
-                _time_linear(x, packed, torch.device("cpu"), warmup=warmup, repeats=repeats,
-                             linear=linear)
-            )  # fmt: skip
-            flop = 2.0 * tokens * rows * cols
-            by_shape[projection] = flop / seconds / 1e9
-            total_flop += flop
-            total_seconds += seconds
-        result[name] = {"gflops": total_flop / total_seconds / 1e9, "by_shape": by_shape}
+            return torch.randn(tokens, rows, generator=generator), quant.pack(weight), linear
+
+        result[name] = _rate_on_shapes(
+            shapes, tokens, torch.device("cpu"), warmup, repeats, operands
+        )
     return result
+
+
+def _rate_on_shapes(shapes, tokens: int, device, warmup: int, repeats: int, operands) -> dict:
+    """{"gflops", "by_shape"}: each projection timed on its own (the median of
+    ``_time_linear``) with ``operands(in, out)`` -> (x, weight, linear or None for torch's);
+    the rate is the FLOP of all over the sum of their medians."""
+    by_shape: dict[str, float] = {}
+    total_flop, total_seconds = 0.0, 0.0
+    for projection, rows, cols in shapes:
+        x, weight, linear = operands(rows, cols)
+        seconds = statistics.median(
+            _time_linear(x, weight, device, warmup=warmup, repeats=repeats, linear=linear)
+        )
+        flop = 2.0 * tokens * rows * cols
+        by_shape[projection] = flop / seconds / 1e9
+        total_flop += flop
+        total_seconds += seconds
+    return {"gflops": total_flop / total_seconds / 1e9, "by_shape": by_shape}
 
 
 def rate_for(rates: dict[str, Any] | None, dtype: str | None) -> float | None:

@@ -181,22 +181,19 @@ def build_records(
     for record in records:
         if record["status"] != "ok":
             continue
-        baseline = outputs.get((BASELINE, record["workload"]))
         mine = outputs[(record["system"], record["workload"])]
-        record["agreement_with_hf_static"] = (
-            sum(a == b for a, b in zip(mine, baseline)) / len(mine) if baseline else None
-        )
-        # against every other system on this workload: the rows with the same output, and
-        # the tokens before each row's first difference over the other's tokens
+        # against every system on this workload (itself included): the rows with the same
+        # output, and the tokens before each row's first difference over the other's tokens
         others = {
             system: theirs
             for (system, workload), theirs in outputs.items()
-            if workload == record["workload"] and system != record["system"]
+            if workload == record["workload"]
         }
         record["same_output_as"] = {
             system: sum(a == b for a, b in zip(mine, theirs)) / len(mine)
             for system, theirs in others.items()
         }
+        record["agreement_with_hf_static"] = record["same_output_as"].get(BASELINE)
         record["tokens_agreeing_with"] = {
             system: sum(_common_prefix(a, b) for a, b in zip(mine, theirs))
             / max(1, sum(len(b) for b in theirs))
