@@ -9,7 +9,7 @@ VLLM_VENV ?= .venv-vllm
 # torch: the CPU wheel on a machine without an NVIDIA GPU, the default CUDA build otherwise
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.4' || echo 'torch==2.13.0')
 
-.PHONY: demo test test-vllm test-gpu lint setup setup-test bench bench-quick bench-fields vllm-env llamacpp-env clean fuzz test-faults scale
+.PHONY: demo test test-vllm test-gpu lint docs docs-serve setup setup-test bench bench-quick bench-fields vllm-env llamacpp-env clean fuzz test-faults scale
 
 demo: $(VENV)/.installed-run
 	$(VENV)/bin/llm-operator demo
@@ -60,6 +60,15 @@ test-faults: $(VENV)/.installed-test
 # bench-results/scale/scale.json. SCALE_ARGS="--rows 400000" etc. (--help)
 scale: $(VENV)/.installed-test
 	$(PY) -m llm_operator_bench.suites.scale $(SCALE_ARGS)
+
+# make docs: the documentation site (mkdocs-material) into site/, --strict: a broken link,
+#   a missing page or an option without a doc fails (the suite builds it too:
+#   tests/test_docs_site.py). make docs-serve: the same, served at http://127.0.0.1:8000
+docs: $(VENV)/.installed-test
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+docs-serve: $(VENV)/.installed-test
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --strict
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .

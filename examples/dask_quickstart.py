@@ -9,8 +9,8 @@ The job:
    system prompt, instructions and few-shot examples) into the same partition, sorted,
    so each partition's batch shares as much as possible;
 2. ``llm_infer(ddf, "prompt", output="out", model=...)`` adds the columns ``out``,
-   ``out_finish_reason``, ``out_prompt_tokens``, ``out_completion_tokens`` and
-   ``out_error``: one partition is one batch planned as a whole (shared prefixes
+   ``out_finish_reason``, ``out_prompt_tokens``, ``out_completion_tokens``,
+   ``out_error``, ``out_logprob`` and ``out_choice_logprobs``: one partition is one batch planned as a whole (shared prefixes
    prefilled once, decode-first order);
 3. ``compute()``: by default on the synchronous scheduler (one partition after another,
    each using every core through torch), or ``--scheduler threads``; ``--cluster`` runs

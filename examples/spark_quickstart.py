@@ -8,7 +8,8 @@ The job is three lines of Spark:
    system prompt, instructions and few-shot examples) into the same partition, sorted,
    so each partition's batch shares as much as possible;
 2. ``df.withColumn("out", llm_infer("prompt", model=...))`` adds a struct column
-   ``text, finish_reason, prompt_tokens, completion_tokens, error``: one partition is
+   ``text, finish_reason, prompt_tokens, completion_tokens, error, logprob,
+   choice_logprobs`` (the last two null unless ``logprobs=True``): one partition is
    one batch planned as a whole (shared prefixes prefilled once, decode-first order);
 3. select the fields you need and write them out.
 

@@ -9,7 +9,8 @@ merge by log-sum-exp. The modules, each with its contract in its docstring:
     attention_step.py    ``AttentionStep``: a step's attention on one kernel family
     torch_attention.py   the torch reference: the test oracle and the fallback
     triton_attention.py  Triton kernels (CUDA; the interpreter on CPU tensors in tests)
-    triton_fused.py      Triton kernels of the decoder layer's elementwise regions
+    triton_fused.py      the decoder layer's elementwise regions on Triton (dispatch)
+    triton_fused_kernels.py  their Triton kernels
     cpu_kernels.cpp      compiled CPU kernels: attention, packed GEMM, the whole decoder
     cpu_extension.py     builds, loads and self-checks them; ``cpu_ops.py`` calls them
     self_check.py        each Triton kernel family against its reference, at start-up

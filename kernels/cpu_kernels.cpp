@@ -1,6 +1,8 @@
 // Compiled CPU kernels of the native engine (built once per machine by cpu_extension.py).
 //
-// Three operations, each with a torch reference that is its fallback and its test oracle:
+// The operations, each with a torch reference that is its fallback and its test oracle
+// (and, further down, the quantized linear, the whole decoder forward and the decoder
+// layer's elementwise regions):
 //
 //   packed_linear    x [M, K] @ W^T with W packed once as [ceil(N / 16), K, 16]: each
 //                    16-column block is one contiguous stream, read once per call for all
@@ -1185,8 +1187,8 @@ void merge_partials(const AttentionArgs<T>& a, const Partials& partials,
 // head) carrying one running softmax state through its shared segments level by level and
 // then its own keys; the state is normalized at the end. A query then reads the same keys
 // in the same softmax steps whatever else runs, provided the steps are a function of the
-// keys' positions: split_keys 0, one block a step (segments start on block boundaries: the
-// planner's align); split_keys < 0, SUB_TILES runs a step, where the caller starts every
+// keys' positions: split_keys 0, one block a step (a segment read from inside a block
+// starts on a block boundary: the scheduler copies that block's tail, copy_tails); split_keys < 0, SUB_TILES runs a step, where the caller starts every
 // item's keys at a multiple of such a step (cpu_ops.attention_items' step_keys).
 struct AttentionPlan {
   std::vector<Unit> units;

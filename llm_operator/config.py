@@ -96,7 +96,7 @@ class EngineConfig:
 
     backend: str = option(
         "auto",
-        doc='"native" (our paged-KV engine; Llama, Qwen2/3, Mistral), "hf" (transformers), '
+        doc='"native" (our paged-KV engine; Llama, Qwen 2/3, Mistral, Gemma 2/3, Phi-3), "hf" (transformers), '
         '"vllm" (needs vllm), "openai" (an OpenAI-compatible server at base_url), or '
         '"auto" (native where it runs, else hf)',
         check=one_of(*BACKENDS),
@@ -104,7 +104,8 @@ class EngineConfig:
     device: str = option("auto", doc='"cpu", "cuda", "cuda:N" or "auto"', check=text)
     dtype: str = option(
         "auto",
-        doc='"float32", "bfloat16", "float16" or "auto" (float32 on CPU, the model\'s on GPU)',
+        doc='"float32", "bfloat16", "float16" or "auto" (float32 on CPU; on a GPU bfloat16 '
+        "where it is supported, else float16)",
         check=text,
     )
     kv_cache_memory: int | str = option(
@@ -293,7 +294,7 @@ class EngineConfig:
     )
     max_retries: int = option(
         6,
-        doc='backend "openai": retries of a request after 429, 5xx, a timeout or a dropped '
+        doc='backend "openai": retries of a request after 408, 409, 429, 500, 502, 503, 504, a timeout or a dropped '
         "connection (exponential backoff with jitter, or the server's Retry-After)",
         check=integer(0),
     )

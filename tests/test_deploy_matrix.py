@@ -1,5 +1,5 @@
 """The deployment matrix's bookkeeping (the matrix itself runs clusters: `python -m
-llm_operator_bench.suites.deploy_matrix`, results in docs/results/deploy-matrix-issue22.md)."""
+llm_operator_bench.suites.deploy_matrix`, results in docs/results/deploy-matrix.md)."""
 
 from __future__ import annotations
 

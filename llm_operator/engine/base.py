@@ -1,6 +1,6 @@
 """The backend contract: what a backend offers and what a run of a plan returns.
 
-A backend (``hf``, ``native``, ``vllm``) is a step runner: ``backend.start(run)`` gives its
+A backend (``hf``, ``native``, ``vllm``, ``openai``) is a step runner: ``backend.start(run)`` gives its
 ``Steps`` for one run (both protocols live in ``engine.run``, beside ``Run``), and
 ``engine.run.run_plan`` calls ``steps.step()`` until it returns False, then
 ``steps.close()``. One ``RequestOutput`` per planned request, indexed by ``request_id``;

@@ -1,5 +1,5 @@
 """Constrained outputs: a row's next-token mask, applied in the sampling step (the
-README's "Labels, JSON and confidence" has the user's view and measurements).
+docs' guide "Constrained outputs" has the user's view).
 
 - ``choices``: a token trie over the tokenized choices (``ChoiceTrie``). The mask allows
   the children of the row's node, and the end-of-sequence tokens where a choice ends.

