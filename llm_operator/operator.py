@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from llm_operator import options as option_table
 from llm_operator.config import EngineConfig
+from llm_operator.embedding import EmbeddingResult
 from llm_operator.engine.run import Backend, Run, run_plan
 from llm_operator.engine.scoring import add_scoring, forced_tokens, row_results
 from llm_operator.planner import Plan, build_plan
@@ -31,14 +32,11 @@ class LLMOperator:
     >>> results = op.generate(["Classify: ...", ...], SamplingParams(max_tokens=8))
 
     Prompts: a string is the text the model sees, as it is (``vllm.LLM.generate``'s
-    way); a list of chat messages goes through the model's chat template. Spark, Dask
-    and the command line wrap strings as chat messages themselves when the model has a
-    chat template (their ``chat="auto"``).
-    model: an alias (``llm_operator.models.known_aliases()``), a Hugging Face
-        model directory, a ``.gguf`` file, or a Hugging Face Hub id (``"org/name"``,
-        taken from the Hub cache or downloaded into it; ``revision`` picks a branch,
-        tag or commit).
-    The tokenizer loads at once; the model loads on the first ``generate``.
+    way); a list of chat messages goes through the model's chat template (Spark, Dask
+    and the CLI wrap strings as chat messages where the model has one: ``chat="auto"``).
+    model: an alias (``llm_operator.models.known_aliases()``), a Hugging Face model
+    directory, a ``.gguf`` file, or a Hub id (``"org/name"``; ``revision`` picks one).
+    The tokenizer loads at once; the model on the first ``generate`` or ``embed``.
     """
 
     def __init__(self, model: str | os.PathLike, **options) -> None:
@@ -56,6 +54,7 @@ class LLMOperator:
         self.max_context = max_context(self.model_info, self.backend_name)
         self.last_stats = RunStats()
         self._backend: Backend | None = None
+        self._embedder = None
         self._constraints = None
 
     @property
@@ -152,15 +151,27 @@ class LLMOperator:
         )
         return results
 
+    def embed(
+        self, prompts: Sequence[Prompt], pooling="last", normalize=True, dimensions=None
+    ) -> list[EmbeddingResult]:
+        """One vector per prompt in input order, planned like ``generate`` ("last", "mean" or
+        "cls" pooling; ``dimensions``, then ``normalize``; see ``llm_operator.embedding``)."""
+        from llm_operator.embedding import embed
+
+        return embed(self, prompts, pooling, normalize, dimensions)
+
+    def embedder(self):
+        """The backend's embedder (``factory.build_embedder``), loaded on first use."""
+        from llm_operator.engine.factory import build_embedder as build
+
+        self._embedder = self._embedder or build(self.config, self.model_info, self.backend)
+        return self._embedder
+
     def estimate(self, prompts: Sequence[Prompt], sampling=None, **options):
         """What ``generate(prompts, sampling)`` would cost here, without running it whole:
-        an ``llm_operator.estimate.Estimate`` (seconds with a range, rows/s, output tokens,
-        machine-hours on ``executors`` machines like this one, and what it assumed). It
-        loads the model, calibrates the backend here once (cached), generates a few
-        sample rows for their output lengths and replays the plan's schedule against the
-        calibrated costs. Options (``llm_operator.estimate.estimate``): ``sample_rows``
-        ("auto": 4 rows, then more while the sample costs at most 5% of the job; 0: none),
-        ``executors`` (1), ``seed`` (0), ``recalibrate`` (False)."""
+        an ``llm_operator.estimate.Estimate`` (seconds with a range, rows/s, machine-hours),
+        from a calibration of the backend and a few sample rows. Options: those of
+        ``llm_operator.estimate.estimate`` (``sample_rows``, ``executors``, ``seed``, ...)."""
         from llm_operator.estimate import estimate
 
         return estimate(self, prompts, sampling, **options)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -90,6 +92,32 @@ def build_backend(config: EngineConfig, info: ModelInfo, tokenizer):
             info.path, device=device, dtype=dtype, trust_remote_code=config.trust_remote_code
         )
     return HFBackend(model, tokenizer, config, kv_cache_bytes=kv_budget(config, device))
+
+
+def build_embedder(config: EngineConfig, info: ModelInfo, backend: Callable[[], Any]):
+    """What embeds rows (``llm_operator.embedding``) on the backend ``choose_backend``
+    names: native (causal decoders; ``backend()`` builds or returns the native backend,
+    so ``generate`` and ``embed`` share one model), hf (``transformers.AutoModel``:
+    encoders, and ``backend="auto"`` on a decoder whose attention is bidirectional)."""
+    name = choose_backend(config, info)
+    causal = getattr(info.config, "is_causal", True) is not False
+    if name == "native" and not causal:
+        if config.backend == "native":
+            raise ValueError(
+                "backend='native' embeds causal decoders only (rows that start alike share "
+                "their K/V); this model's attention is bidirectional: use backend='hf'"
+            )
+        name = "hf"
+    if name == "native":
+        from llm_operator.engine.native.embed import NativeEmbedder
+
+        return NativeEmbedder(backend())
+    if name == "hf":
+        from llm_operator.engine.hf.embed import HFEmbedder
+
+        check_single_gpu(config, name)
+        return HFEmbedder(info.path, config)
+    raise ValueError(f"backend={name!r} does not embed; use backend='native' or 'hf'")
 
 
 def kv_budget(config: EngineConfig, device: torch.device) -> int:
