@@ -179,9 +179,10 @@ def test_hf_backend_on_a_decoder(tiny_qwen3_dir: Path) -> None:
         assert_close(
             op.embed(PROMPTS, pooling=pooling), reference(tiny_qwen3_dir, PROMPTS, pooling)
         )
-        profile = op.embedder().backend.last_profile
-        assert profile.num_blocks == 36
-        assert profile.preemptions + profile.segment_evictions > 0, profile
+        assert op.last_stats.backend == "hf"
+        assert op.last_stats.prefill_tokens_computed == op.last_stats.prompt_tokens - len(
+            op.tokenize([PROMPTS[3]])[0]
+        )  # nothing shared; the duplicate row computed once
 
 
 @pytest.fixture(scope="module")

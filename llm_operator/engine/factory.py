@@ -98,7 +98,8 @@ def build_embedder(config: EngineConfig, info: ModelInfo, backend: Callable[[], 
     """What embeds rows (``llm_operator.embedding``) on the backend ``choose_backend``
     names: native (causal decoders; ``backend()`` builds or returns the native backend,
     so ``generate`` and ``embed`` share one model), hf (``transformers.AutoModel``:
-    encoders, and ``backend="auto"`` on a decoder whose attention is bidirectional)."""
+    encoders, and ``backend="auto"`` on a decoder whose attention is bidirectional), vllm
+    (vLLM's pooling runner, ``engine.vllm.embed``)."""
     name = choose_backend(config, info)
     causal = getattr(info.config, "is_causal", True) is not False
     if name == "native" and not causal:
@@ -117,7 +118,11 @@ def build_embedder(config: EngineConfig, info: ModelInfo, backend: Callable[[], 
 
         check_single_gpu(config, name)
         return HFEmbedder(info.path, config)
-    raise ValueError(f"backend={name!r} does not embed; use backend='native' or 'hf'")
+    if name == "vllm":
+        from llm_operator.engine.vllm.embed import VLLMEmbedder
+
+        return VLLMEmbedder(info.path, config, max_context=info.max_context)
+    raise ValueError(f"backend={name!r} does not embed; use backend='native', 'hf' or 'vllm'")
 
 
 def kv_budget(config: EngineConfig, device: torch.device) -> int:

@@ -8,12 +8,13 @@ states [tokens, hidden] are read by chunk (``HostStep.query_start``):
 
 - ``"last"``: a row's vector is the hidden state of its last prompt token, the row that
   generation would sample from;
-- ``"mean"``: every sequence (a segment or a row's own tokens) keeps the sum of its
-  computed tokens' hidden states; a row's vector is its own sum plus the sums of the
-  segments of its chain, over its prompt length. A segment's tokens are computed once,
-  whatever number of rows reads it. (With tail copies, the tokens a sequence copies are
-  its parent's, counted there.) A sequence computed again (a preempted row, an evicted
-  segment) starts its sum again;
+- ``"mean"``: every sequence (a segment or a row's own tokens) keeps its computed
+  tokens' hidden states; a row's vector is the mean of its chain's segments' states and
+  its own, put end to end: one sum over the whole prompt in position order, so a row
+  gets the same bits whatever it shares with (the default batch-invariant mode holds). A
+  segment's tokens are computed once, whatever number of rows reads it. (With tail
+  copies, the tokens a sequence copies are its parent's, kept there.) A sequence
+  computed again (an evicted segment) starts again;
 - ``"cls"``: the hidden state at position 0 (the chain's first segment, or the row's own).
 
 The attention is causal, so a token's hidden state depends only on the tokens before it:
@@ -58,7 +59,7 @@ def embed_steps(backend: NativeBackend, run: EmbedRun, pooling: str) -> _NativeS
         def __init__(self) -> None:
             super().__init__(backend, run)
             self.pooling = pooling
-            self.sums: dict[tuple, list] = {}  # (kind, ref) -> [sum float32, tokens]
+            self.states: dict[tuple, list] = {}  # (kind, ref) -> its chunks' hidden states
             self.first: dict[tuple, torch.Tensor] = {}  # (kind, ref) -> position 0's state
             self.vectors: dict[int, torch.Tensor] = {}  # request_id -> pooled float32
 
@@ -98,13 +99,9 @@ def embed_steps(backend: NativeBackend, run: EmbedRun, pooling: str) -> _NativeS
                     if seq.prefix_length + chunk.start == 0:
                         self.first[key] = rows[0].clone()
                     continue
-                if (
-                    chunk.start == seq.head or key not in self.sums
-                ):  # computed (again) from its start
-                    self.sums[key] = [torch.zeros_like(rows[0]), 0]
-                kept = self.sums[key]
-                kept[0] += rows.sum(0)
-                kept[1] += chunk.length
+                if chunk.start == seq.head or key not in self.states:  # (again) from its start
+                    self.states[key] = []
+                self.states[key].append(rows.clone())  # not a view of the whole step
 
         def _pooled(self, seq: KVSequence, last: torch.Tensor) -> torch.Tensor:
             if self.pooling == "last":
@@ -112,15 +109,12 @@ def embed_steps(backend: NativeBackend, run: EmbedRun, pooling: str) -> _NativeS
             if self.pooling == "cls":
                 key = (SEGMENT, seq.chain[0]) if seq.chain else (REQUEST, seq.ref)
                 return self.first[key]
-            total, count = self.sums[(REQUEST, seq.ref)]
-            total = total.clone()
-            for segment_id in seq.chain:
-                segment_sum, segment_count = self.sums[(SEGMENT, segment_id)]
-                total += segment_sum
-                count += segment_count
+            keys = [(SEGMENT, segment_id) for segment_id in seq.chain] + [(REQUEST, seq.ref)]
+            states = torch.cat([rows for key in keys for rows in self.states[key]])
+            del self.states[(REQUEST, seq.ref)]
             length = len(run.plan.requests[seq.ref].token_ids)
-            assert count == length, f"mean pooling saw {count} of the row's {length} tokens"
-            return total / count
+            assert len(states) == length, f"mean pooling saw {len(states)} of {length} tokens"
+            return states.sum(0) / length
 
     return EmbedSteps()
 
