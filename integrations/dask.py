@@ -11,6 +11,8 @@ by its threads). Options are checked on the client before any model loads, and t
 tasks capture only an ``InferOptions`` (the model loads on the worker). ``llm_estimate``
 predicts such a job's time before it runs: a sample of rows generated on the client, every
 partition tokenized and planned on the workers (no model there).
+``llm_embed`` adds each row's vector instead (``LLMOperator.embed``), planned, cached and
+co-located the same way.
 
 This module is ``llm_operator.integrations.dask``; ``import dask.dataframe`` below is an
 absolute import of the real dask package (Python 3 has no implicit relative imports).
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from llm_operator.integrations.co_location import (
     CoLocation,
@@ -276,6 +279,127 @@ def _with_results(
             result[name] = np.asarray([np.nan if v is None else v for v in values], dtype=dtype)
         else:
             result[name] = np.asarray(values, dtype=dtype)
+    return result
+
+
+def embedding_columns(output: str, width: int | None) -> dict[str, tuple[str, Any]]:
+    """Embedding field -> (column name, dtype): the vector is ``{output}`` (Arrow
+    ``fixed_size_list<float>[width]``, or ``list<float>`` where the width is not known before
+    the job), then ``{output}_prompt_tokens`` (int64) and ``{output}_error`` (text)."""
+    vector = pa.list_(pa.float32(), width) if width is not None else pa.list_(pa.float32())
+    return {
+        "embedding": (output, pd.ArrowDtype(vector)),
+        "prompt_tokens": (f"{output}_prompt_tokens", np.dtype("int64")),
+        "error": (f"{output}_error", STRING_DTYPE),
+    }
+
+
+def llm_embed(
+    ddf: dd.DataFrame,
+    col: Hashable,
+    *,
+    output: str = "embedding",
+    model: Any,
+    pooling: str = "last",
+    normalize: bool = True,
+    dimensions: int | None = None,
+    co_locate: bool = True,
+    engine_options: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> dd.DataFrame:
+    """``ddf`` with each row's vector added (lazy; nothing runs until compute).
+
+    Adds ``{output}``: the vector, an Arrow-backed column of ``fixed_size_list<float>[d]``
+    where ``d`` is known on the client (``dimensions``, or the model's hidden size from a
+    model directory or the local Hub cache), else ``list<float>``; missing where the row
+    could not run (missing, empty, too long for the model, not a prompt), and then
+    ``{output}_error`` says why. ``{output}_prompt_tokens`` (int64). Index, divisions and
+    row order are kept.
+
+    col: a column of strings (embedded as they are: no chat template).
+    pooling: ``"last"``, ``"mean"`` or ``"cls"``; normalize: unit-length vectors;
+        dimensions: the first that many values (Matryoshka), before normalizing.
+    co_locate (default True): rows sharing a prompt prefix meet in one partition for the
+        run and go back to their partitions in their order afterwards, as ``llm_infer``
+        does (skipped where a sample shows it cannot help; the decision is logged).
+    options: engine options only (``llm_operator.options``, scope ``engine``;
+        ``engine_options`` takes them as a mapping); an unknown name is a TypeError.
+    Each partition is one ``LLMOperator.embed`` call on the worker process's cached engine.
+    """
+    from llm_operator.integrations.infer_options import embedding_width, make_embed_options
+
+    if not isinstance(output, str) or not output:
+        raise TypeError(f"output must be a non-empty string, got {output!r}")
+    checked = make_embed_options(
+        model=model,
+        pooling=pooling,
+        normalize=normalize,
+        dimensions=dimensions,
+        co_locate=co_locate,
+        engine_options=engine_options,
+        **options,
+    )
+    _check_prompt_column(ddf, col)
+    width = embedding_width(checked)
+    existing = [
+        name for name, _ in embedding_columns(output, width).values() if name in ddf.columns
+    ]
+    if existing:
+        raise ValueError(
+            f"output={output!r} would overwrite existing column(s) {existing}; choose another output"
+        )
+    meta = _with_embeddings(ddf._meta, [], output, width)
+    if checked.co_locate:
+        placed, decision = _co_locate(ddf, col, keep_order=True)
+        logger.info("llm_embed %s", decision.report())
+        if decision.skipped is None:
+            placed_meta = _with_embeddings(placed._meta, [], output, width)
+            ran = placed.map_partitions(
+                _embed_partition, col, checked, output, width, meta=placed_meta
+            )
+            return _back_in_order(ran, ddf)
+    return ddf.map_partitions(_embed_partition, col, checked, output, width, meta=meta)
+
+
+keyword_signature(llm_embed, ["engine"])
+
+
+def _embed_partition(
+    frame: pd.DataFrame,
+    col: Hashable,
+    options: Any,
+    output: str,
+    width: int | None,
+    partition_info: Mapping[str, Any] | None = None,
+) -> pd.DataFrame:
+    """One partition, one ``run_embed_partition`` call (runs on the worker)."""
+    from llm_operator.integrations.devices import current_dask_worker, dask_worker_device
+    from llm_operator.integrations.worker import run_embed_partition
+
+    label = "dask partition"
+    if partition_info is not None:
+        label = f"dask partition {partition_info['number']}"
+    if current_dask_worker() is not None:
+        show_worker_logs()
+    device = dask_worker_device(options.engine.device)  # None: the option's device
+    results = run_embed_partition(frame[col].tolist(), options, device=device, label=label)
+    return _with_embeddings(frame, results, output, width)
+
+
+def _with_embeddings(
+    frame: pd.DataFrame, results: Sequence[Any], output: str, width: int | None
+) -> pd.DataFrame:
+    """``frame`` plus the embedding columns, filled positionally from ``results``."""
+    assert len(results) == len(frame), "one embedding result per row"
+    result = frame.copy(deep=False)
+    columns = embedding_columns(output, width)
+    name, dtype = columns["embedding"]
+    vectors = pa.array([r.embedding for r in results], type=dtype.pyarrow_dtype)
+    result[name] = pd.array(vectors, dtype=dtype)
+    name, dtype = columns["prompt_tokens"]
+    result[name] = np.asarray([r.prompt_tokens for r in results], dtype=dtype)
+    name, dtype = columns["error"]
+    result[name] = pd.array([r.error for r in results], dtype=dtype)
     return result
 
 

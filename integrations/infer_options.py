@@ -9,6 +9,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 from llm_operator import options as option_table
@@ -33,6 +34,12 @@ RESULT_FIELDS: tuple[tuple[str, type], ...] = (
     ("choice_logprobs", dict),  # choice -> log-probability (float or None)
 )
 VALUE_FIELD = "value"
+# (name, Python type) of each field of an embedding result, in output order (llm_embed)
+EMBED_FIELDS: tuple[tuple[str, type], ...] = (
+    ("embedding", list),  # None where the row could not run
+    ("prompt_tokens", int),
+    ("error", str),
+)
 
 
 @dataclass(frozen=True)
@@ -53,12 +60,35 @@ class InferOptions:
     constraint_col: tuple[str, str] | None = None
 
     def engine_key(self, device: str | None = None) -> tuple:
-        return (self.model, replace(self.engine, stats_log=None), device)
+        return engine_key(self.model, self.engine, device)
 
     def prompts(self, values: Sequence[Any], chat_template: bool) -> list[Any]:
         """Column values to prompts (``chat``/``system``: each string as a user message;
         ``chat="auto"``: when the model has a chat template, ``chat_template``)."""
         return as_chat(values, chat=self.chat, system=self.system, chat_template=chat_template)
+
+
+@dataclass(frozen=True)
+class EmbedOptions:
+    """What an embedding job's partitions need (``llm_embed``): the model, its engine and
+    the pooling; hashable, small, cheap to pickle. The worker's engine is the one
+    ``llm_infer`` would use with the same model and engine options."""
+
+    model: str
+    engine: EngineConfig
+    pooling: str = "last"
+    normalize: bool = True
+    dimensions: int | None = None
+    co_locate: bool = True  # the frame's rows meet by prompt prefix before the job
+
+    def engine_key(self, device: str | None = None) -> tuple:
+        return engine_key(self.model, self.engine, device)
+
+
+def engine_key(model: str, engine: EngineConfig, device: str | None = None) -> tuple:
+    """Which worker engine runs a job: the model, its engine options (not the statistics
+    log) and the device."""
+    return (model, replace(engine, stats_log=None), device)
 
 
 def check_server(options: InferOptions) -> None:
@@ -94,19 +124,8 @@ def make_options(
         (``row_sampling``); at most one of them and of ``choices``, ``regex`` and
         ``json_schema`` (ValueError).
     """
-    if not isinstance(model, (str, os.PathLike)) or not str(model):
-        raise TypeError(f"model must be an alias or a path, got {model!r}")
-    if engine_options:
-        if not isinstance(engine_options, Mapping):
-            raise TypeError(f"engine_options must be a mapping, got {engine_options!r}")
-        try:
-            option_table.split(engine_options, ["engine"])
-        except TypeError as error:
-            raise ValueError(f"engine_options: {error}") from None
-        both = sorted(set(engine_options) & set(options))
-        if both:
-            raise ValueError(f"{both} given both as keywords and in engine_options; give one")
-        options = {**engine_options, **options}
+    _check_model(model)
+    options = _with_engine_options(engine_options, options)
     scoped = option_table.split(options)
     prompt = PromptOptions(**scoped["prompt"])
     table = table_options({field.name: getattr(prompt, field.name) for field in fields(prompt)})
@@ -130,6 +149,101 @@ def make_options(
 
     check_model_available(model, checked.engine.revision)
     return checked
+
+
+def make_embed_options(
+    *,
+    model: Any,
+    pooling: str = "last",
+    normalize: bool = True,
+    dimensions: int | None = None,
+    co_locate: bool = True,
+    engine_options: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> EmbedOptions:
+    """Validated embedding options (on the driver, before any model loads): the pooling
+    options (``llm_operator.embedding.check_embedding_options``) and the engine options of
+    ``llm_operator.options`` (TypeError naming any other option)."""
+    from llm_operator.embedding import check_embedding_options
+
+    _check_model(model)
+    options = _with_engine_options(engine_options, options)
+    scoped = option_table.split(options, ["engine"])
+    pooling, normalize, dimensions = check_embedding_options(pooling, normalize, dimensions)
+    if not isinstance(co_locate, bool):
+        raise TypeError(f"co_locate must be True or False, got {co_locate!r}")
+    checked = EmbedOptions(
+        model=os.fspath(model),
+        engine=EngineConfig(**scoped["engine"]),
+        pooling=pooling,
+        normalize=normalize,
+        dimensions=dimensions,
+        co_locate=co_locate,
+    )
+    from llm_operator.models.registry import check_model_available
+
+    check_model_available(model, checked.engine.revision)
+    if dimensions is not None:
+        width = model_width(checked)
+        if width is not None and dimensions > width:
+            raise ValueError(f"dimensions={dimensions} is more than the model's {width} values")
+    return checked
+
+
+def model_width(options: EmbedOptions) -> int | None:
+    """The model's hidden size where its ``config.json`` is at hand without loading
+    anything (a model directory, or a Hub id in the local Hub cache); else None."""
+    path = Path(options.model).expanduser()
+    config = path / "config.json" if path.is_dir() else None
+    if config is None and "/" in options.model and not path.exists():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            found = try_to_load_from_cache(
+                options.model, "config.json", revision=options.engine.revision
+            )
+        except (ImportError, ValueError):
+            found = None
+        config = Path(found) if isinstance(found, str) else None
+    if config is None or not config.is_file():
+        return None
+    try:
+        values = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    text = values.get("text_config") or {}
+    size = text.get("hidden_size") if isinstance(text, dict) else None
+    size = size if size is not None else values.get("hidden_size")
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def embedding_width(options: EmbedOptions) -> int | None:
+    """The length of every vector, where known before the job: ``dimensions``, else the
+    model's hidden size (``model_width``)."""
+    return options.dimensions if options.dimensions is not None else model_width(options)
+
+
+def _check_model(model: Any) -> None:
+    if not isinstance(model, (str, os.PathLike)) or not str(model):
+        raise TypeError(f"model must be an alias or a path, got {model!r}")
+
+
+def _with_engine_options(
+    engine_options: Mapping[str, Any] | None, options: dict[str, Any]
+) -> dict[str, Any]:
+    """``options`` with ``engine_options`` (engine options as one mapping) merged in."""
+    if not engine_options:
+        return options
+    if not isinstance(engine_options, Mapping):
+        raise TypeError(f"engine_options must be a mapping, got {engine_options!r}")
+    try:
+        option_table.split(engine_options, ["engine"])
+    except TypeError as error:
+        raise ValueError(f"engine_options: {error}") from None
+    both = sorted(set(engine_options) & set(options))
+    if both:
+        raise ValueError(f"{both} given both as keywords and in engine_options; give one")
+    return {**engine_options, **options}
 
 
 def constraint_column(

@@ -23,6 +23,10 @@ the DataFrame API only, ``co_locate`` included (no ``DataFrame.rdd``).
 
 ``llm_estimate`` predicts such a job's time before it runs: a sample of rows generated on
 the driver, every partition tokenized and planned on the executors (no model there).
+
+``llm_embed`` / ``llm_embed_df`` give each row a vector instead (``LLMOperator.embed``: a
+struct ``embedding array<float>, prompt_tokens, error``), planned, cached and co-located
+the same way.
 """
 
 from __future__ import annotations
@@ -56,15 +60,23 @@ from llm_operator.integrations.estimate_frames import (
 from llm_operator.integrations.infer_options import (
     RESULT_FIELDS,
     VALUE_FIELD,
+    EmbedOptions,
     InferOptions,
     check_prompt_source,
     check_server,
     is_missing,
+    make_embed_options,
     make_options,
     typed_value,
 )
 from llm_operator.integrations.json_values import ValueType
-from llm_operator.integrations.worker import logger, result_records, run_partition, show_worker_logs
+from llm_operator.integrations.worker import (
+    logger,
+    result_records,
+    run_embed_partition,
+    run_partition,
+    show_worker_logs,
+)
 from llm_operator.options import SCOPES, keyword_signature
 from llm_operator.prompts.table import TABLE_PROMPT_OPTIONS
 
@@ -288,6 +300,106 @@ def _co_located(frame: DataFrame, options: InferOptions) -> DataFrame:
     placed, decision = co_locate_if_it_helps(frame, _PROMPT, force=force)
     logger.info("llm_infer_df %s", decision.report())
     return placed
+
+
+EMBED_TYPE = T.StructType(
+    [
+        T.StructField("embedding", T.ArrayType(T.FloatType(), containsNull=False), nullable=True),
+        T.StructField("prompt_tokens", T.IntegerType(), nullable=True),
+        T.StructField("error", T.StringType(), nullable=True),
+    ]
+)
+"""``llm_embed``'s struct: the row's vector (null where the row could not run), its prompt
+tokens and the error message (null on rows that ran)."""
+
+
+def llm_embed(
+    col: str | Column,
+    *,
+    model: Any,
+    pooling: str = "last",
+    normalize: bool = True,
+    dimensions: int | None = None,
+    engine_options: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> Column:
+    """A struct column ``embedding, prompt_tokens, error``: each row's vector as
+    ``array<float>`` (``LLMOperator.embed``), null where the row could not run (null,
+    empty, too long for the model, not a prompt), with ``error`` saying why.
+
+    col: a column name or a Column expression of strings (each embedded as it is: no chat
+        template), or of chat message lists (through the model's chat template).
+    pooling: ``"last"`` (the last token's hidden state: decoder embedders such as
+        Qwen3-Embedding), ``"mean"`` or ``"cls"`` (the first token's: BERT-style encoders).
+    normalize: scale each vector to unit length. dimensions: keep the first that many
+        values (Matryoshka), before normalizing.
+    options: engine options only (``llm_operator.options``, scope ``engine``), e.g.
+        ``backend``, ``device``, ``max_batch_size``; ``engine_options`` takes them as a
+        mapping. An unknown name is a TypeError, before any job runs.
+    Each partition is one plan (rows sharing a prefix computed once, identical rows
+    once), on the worker's cached engine, as ``llm_infer``. A Column cannot move rows:
+    ``co_locate(df, col)`` first, or ``llm_embed_df``, which does it by default.
+    """
+    checked = make_embed_options(
+        model=model,
+        pooling=pooling,
+        normalize=normalize,
+        dimensions=dimensions,
+        engine_options=engine_options,
+        **options,
+    )
+    column = _as_column(col, "col")
+    prompt_name = col if isinstance(col, str) else None  # named in a worker's type error
+    check_worker_python()
+
+    def embed(batches: Iterator[pd.Series]) -> Iterator[pd.DataFrame]:
+        return embed_batches(batches, checked, prompt_name)  # only these travel
+
+    embed.__name__ = "llm_embed"
+    return F.pandas_udf(embed, returnType=EMBED_TYPE)(column)
+
+
+keyword_signature(llm_embed, ["engine"])
+
+
+def llm_embed_df(
+    df: DataFrame,
+    col: str | Column,
+    *,
+    output: str = "embedding",
+    co_locate: bool = True,
+    **options: Any,
+) -> DataFrame:
+    """``df`` with an ``output`` struct column from ``llm_embed(col, **options)``
+    (``output.embedding``, ``output.prompt_tokens``, ``output.error``).
+
+    The prompt column's type is checked on the driver (TypeError), before any job runs.
+    co_locate (default True): rows sharing a prompt prefix move into one partition first,
+        as ``llm_infer_df`` does (``co_locate_if_it_helps``; the decision is logged,
+        logger ``llm_operator.integrations``), so each shared prefix is computed once.
+        False keeps ``df``'s partitions. Spark promises no row order: join on a key column
+        to line the vectors up with anything else.
+    """
+    if not isinstance(df, DataFrame):
+        raise TypeError(f"df must be a pyspark DataFrame, got {type(df).__name__}")
+    if not isinstance(output, str) or not output:
+        raise ValueError(f"output must be a non-empty column name, got {output!r}")
+    if output in df.columns:
+        raise ValueError(f"output={output!r} is a column of df already; choose another output")
+    column = llm_embed(col, co_locate=co_locate, **options)  # validates the options first
+    source = _as_column(col, "col")
+    prompt_type = df.select(source).schema.fields[0].dataType
+    check_prompt_type(prompt_type)
+    if co_locate:
+        if not isinstance(prompt_type, T.StringType):  # chat messages: by their JSON
+            source = F.to_json(source)
+        placed, decision = co_locate_if_it_helps(df.withColumn(_PROMPT, source), _PROMPT)
+        logger.info("llm_embed_df %s", decision.report())
+        df = placed.drop(_PROMPT)
+    return df.withColumn(output, column)
+
+
+keyword_signature(llm_embed_df, ["engine"])
 
 
 def llm_estimate(
@@ -554,18 +666,62 @@ def infer_batches(
         start += size
 
 
-def prompt_values(batch: pd.Series) -> list[Any]:
+def embed_batches(
+    batches: Iterator[pd.Series], options: EmbedOptions, prompt_name: str | None = None
+) -> Iterator[pd.DataFrame]:
+    """``llm_embed``'s UDF body: gather every batch of the partition, embed them as one
+    plan, yield one frame per input batch (its size, in order)."""
+    sizes: list[int] = []
+    values: list[Any] = []
+    for batch in batches:
+        sizes.append(len(batch))
+        try:
+            values.extend(prompt_values(batch, "llm_embed"))
+        except TypeError as error:  # name the column where the user gave one
+            if prompt_name is None:
+                raise
+            raise TypeError(f"prompt column {prompt_name!r}: {error}") from None
+    context = TaskContext.get()
+    if context is not None:
+        show_worker_logs()
+    label = f"spark partition {context.partitionId()}" if context is not None else "spark batch"
+    device = task_device(context, options)
+    results = run_embed_partition(values, options, device=device, label=label)
+    assert len(results) == len(values), f"{label}: {len(results)} results, {len(values)} rows"
+    start = 0
+    for size in sizes:
+        yield _embedding_frame(results[start : start + size])
+        start += size
+
+
+def _embedding_frame(results: list[Any]) -> pd.DataFrame:
+    """``llm_embed``'s output: the vectors (float32 arrays, None on error rows), the prompt
+    tokens and the errors."""
+    vectors = np.empty(len(results), dtype=object)
+    for row, result in enumerate(results):
+        if result.embedding is not None:
+            vectors[row] = np.asarray(result.embedding, dtype=np.float32)
+    return pd.DataFrame(
+        {
+            "embedding": vectors,
+            "prompt_tokens": np.asarray([r.prompt_tokens for r in results], dtype=np.int32),
+            "error": pd.Series([r.error for r in results], dtype=object),
+        }
+    )
+
+
+def prompt_values(batch: pd.Series, function: str = "llm_infer") -> list[Any]:
     """One batch's prompts: strings, chat message lists (lists of dicts) or None.
 
-    Raises TypeError naming the dtype or the value type of a non-prompt column.
+    Raises TypeError naming ``function``, the dtype or the value type of a non-prompt column.
     """
     if isinstance(batch, pd.DataFrame):
         raise TypeError(
-            f"llm_infer needs a string column, got a struct column with fields {list(batch.columns)}"
+            f"{function} needs a string column, got a struct column with fields {list(batch.columns)}"
         )
     dtype = batch.dtype
     if not (pd.api.types.is_object_dtype(dtype) or isinstance(dtype, pd.StringDtype)):
-        raise TypeError(f"llm_infer needs a string column, got a column of {dtype} values")
+        raise TypeError(f"{function} needs a string column, got a column of {dtype} values")
     values: list[Any] = []
     for value in batch.tolist():
         if isinstance(value, str) or is_missing(value):
@@ -576,7 +732,7 @@ def prompt_values(batch: pd.Series) -> list[Any]:
             values.append([dict(message) for message in value])
         else:
             raise TypeError(
-                f"llm_infer needs a string column, got a {type(value).__name__} value {value!r:.60}"
+                f"{function} needs a string column, got a {type(value).__name__} value {value!r:.60}"
             )
     return values
 
@@ -611,7 +767,7 @@ def predict_batches(
     )
 
 
-def task_device(context: Any, options: InferOptions) -> str | None:
+def task_device(context: Any, options: InferOptions | EmbedOptions) -> str | None:
     """The task's device (``integrations.devices``): None (the engine keeps it) for an
     explicit ``device`` option; for a task given a "gpu" resource, its first address as
     this process numbers it (through ``CUDA_VISIBLE_DEVICES``), carrying the task's share

@@ -18,6 +18,7 @@ from typing import Any
 from llm_operator.integrations.infer_options import (
     RESULT_FIELDS,
     VALUE_FIELD,
+    EmbedOptions,
     InferOptions,
     is_missing,
     row_sampling,
@@ -35,7 +36,7 @@ _engines_lock = threading.Lock()
 _constructions: dict[tuple, int] = {}  # engine key -> operators built for it in this process
 
 
-def get_operator(options: InferOptions, device: str | None = None):
+def get_operator(options: InferOptions | EmbedOptions, device: str | None = None):
     """The worker's LLMOperator for these options, built on first use and then reused.
 
     One per options and device: asked for another device (a reused worker given another
@@ -194,6 +195,48 @@ def run_partition(
             stats.server_cached_tokens,
             stats.server_completion_tokens,
         )
+    return results
+
+
+def run_embed_partition(
+    values: Sequence[Any],
+    options: EmbedOptions,
+    *,
+    device: str | None = None,
+    label: str = "partition",
+):
+    """Embed one partition's prompts (one plan over all of them, on the worker's engine):
+    one ``EmbeddingResult`` per row, in order. Missing values are error rows; strings are
+    embedded as they are (no chat template), chat message lists through it."""
+    started = time.perf_counter()
+    if not len(values):
+        return []
+    operator = get_operator(options, device)
+    with _partition_lock(operator):
+        results = operator.embed(
+            [None if is_missing(v) else v for v in values],
+            pooling=options.pooling,
+            normalize=options.normalize,
+            dimensions=options.dimensions,
+        )
+        stats = operator.last_stats
+    if stats.engine_paths and id(operator) not in _described:
+        _described.add(id(operator))
+        logger.info("this worker's engine: %s", stats.engine_paths)
+    if options.engine.stats_log:
+        seconds = time.perf_counter() - started
+        _log_stats(options.engine.stats_log, label, len(values), len(values), stats, seconds)
+    logger.info(
+        "%s: %d rows embedded (%d errors), %d prompt tokens, %d prefilled, %.2f s, "
+        "saving ratio %.1f%%",
+        label,
+        len(values),
+        stats.error_rows,
+        stats.prompt_tokens,
+        stats.prefill_tokens_computed,
+        time.perf_counter() - started,
+        100 * stats.saving_ratio,
+    )
     return results
 
 

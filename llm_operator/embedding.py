@@ -22,13 +22,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch
-
-if TYPE_CHECKING:
-    from llm_operator.operator import LLMOperator
-    from llm_operator.prompts.encode import Prompt
+if TYPE_CHECKING:  # this module imports torch only in the functions that compute
+    import torch
 
 POOLINGS = ("last", "mean", "cls")
 
@@ -71,6 +68,8 @@ def hidden_size(model_config) -> int:
 def finish_vectors(vectors: torch.Tensor, dimensions: int | None, normalize: bool) -> torch.Tensor:
     """[rows, hidden] pooled float32 -> [rows, dimensions or hidden]: truncated, then L2
     normalized (a zero vector stays zero)."""
+    import torch
+
     if dimensions is not None:
         vectors = vectors[:, :dimensions]
     if normalize:
@@ -80,6 +79,8 @@ def finish_vectors(vectors: torch.Tensor, dimensions: int | None, normalize: boo
 
 def pool_padded(hidden: torch.Tensor, lengths: Sequence[int], pooling: str) -> torch.Tensor:
     """[rows, width, hidden] right-padded last hidden states -> [rows, hidden] float32."""
+    import torch
+
     hidden = hidden.float()
     if pooling == "cls":
         return hidden[:, 0]
@@ -92,14 +93,16 @@ def pool_padded(hidden: torch.Tensor, lengths: Sequence[int], pooling: str) -> t
 
 
 def embed(
-    op: LLMOperator,
-    prompts: Sequence[Prompt],
+    op: Any,
+    prompts: Sequence[Any],
     pooling: str = "last",
     normalize: bool = True,
     dimensions: int | None = None,
 ) -> list[EmbeddingResult]:
-    """``LLMOperator.embed``: prepare and plan the rows, run the plan on the operator's
-    embedder, and give each input row its vector or its error."""
+    """``LLMOperator.embed`` (``op``): prepare and plan the rows, run the plan on the
+    operator's embedder, and give each input row its vector or its error."""
+    import torch
+
     from llm_operator.progress import ProgressBar
     from llm_operator.results import RunStats
     from llm_operator.sampling import SamplingParams

@@ -34,6 +34,8 @@ import llm_operator.integrations.spark  # noqa: F401
 frame = dd.from_pandas(pd.DataFrame({{"p": ["a", "b", "c"]}}), npartitions=2)
 out = llm_dask.llm_infer(frame, "p", model="/nowhere/model", max_tokens=4, temperature=0.0)
 assert "out" in out.columns
+vectors = llm_dask.llm_embed(frame, "p", model="/nowhere/model", pooling="mean", dimensions=8)
+assert "embedding" in vectors.columns
 print(json.dumps({{
     "loaded": [name for name in HEAVY if name in sys.modules],
     "params_seconds": params_seconds,

@@ -1,7 +1,8 @@
 """Run a list of prompts through the local operator, Spark (local mode) or Dask, for the CLI.
 
-Every engine returns one GenerationResult per prompt, in input order: the rows carry
-their position through co-location and are put back in order at the end.
+Every engine returns one GenerationResult (``generate``) or EmbeddingResult (``embed``)
+per prompt, in input order: the rows carry their position through co-location and are
+put back in order at the end.
 """
 
 from __future__ import annotations
@@ -77,6 +78,124 @@ def generate(
                 prompts, worker_options, partitions, scheduler, progress, constraints
             )
     return Generated(results, time.perf_counter() - started, stats, co_location)
+
+
+def embed(
+    prompts: Sequence[Any],
+    *,
+    engine: str,
+    model: str,
+    partitions: int = 2,
+    scheduler: str | None = None,
+    master: str | None = None,
+    **options: Any,
+) -> Generated:
+    """One ``EmbeddingResult`` per prompt, in input order, on any engine (as ``generate``).
+    ``options``: ``pooling``, ``normalize``, ``dimensions``, ``co_locate`` and the engine
+    options (``integrations.infer_options.make_embed_options``). A value that is not text
+    is that row's error on every engine."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
+        raise ValueError(f"partitions must be an int >= 1, got {partitions!r}")
+    from llm_operator.integrations.infer_options import make_embed_options
+    from llm_operator.integrations.worker import get_operator, run_embed_partition
+
+    checked = make_embed_options(model=model, **options)  # every option checked before any work
+    texts = [p if isinstance(p, str) else None for p in prompts]
+    started = time.perf_counter()
+    stats = co_location = None
+    if engine == "local":
+        results = run_embed_partition(texts, checked, label="local")
+        stats = get_operator(checked).last_stats
+    else:
+        # workers report one log line per partition; their progress bars would interleave
+        worker_options = {"model": model, **options, "progress": False}
+        if engine == "spark":
+            results, co_location = _spark_embed(texts, worker_options, partitions, master)
+        else:
+            progress = checked.engine.progress
+            results, co_location = _dask_embed(
+                texts, worker_options, partitions, scheduler, progress
+            )
+    for row, prompt in enumerate(prompts):  # not text: say what it was
+        if prompt is not None and not isinstance(prompt, str):
+            results[row] = results[row]._replace(
+                error=f"the column must hold text, got {type(prompt).__name__}"
+            )
+    return Generated(results, time.perf_counter() - started, stats, co_location)
+
+
+def _spark_embed(
+    prompts: Sequence[str | None], embed_kwargs: Mapping[str, Any], partitions: int, master=None
+) -> tuple[list, str | None]:
+    from llm_operator.embedding import EmbeddingResult
+    from llm_operator.integrations.spark import co_locate_if_it_helps, llm_embed
+    from llm_operator.integrations.spark_session import session
+
+    spark = session(partitions, master)
+    frame = spark.createDataFrame(list(enumerate(prompts)), "row long, prompt string")
+    frame = frame.repartition(partitions)
+    kwargs = dict(embed_kwargs)
+    report = None
+    if kwargs.pop("co_locate", True):
+        frame, decision = co_locate_if_it_helps(frame, "prompt", partitions)
+        report = decision.report()
+    out = frame.select("row", llm_embed("prompt", **kwargs).alias("out"))
+    rows = sorted(out.collect(), key=lambda r: r["row"])
+    results = [
+        EmbeddingResult(r.out.embedding, int(r.out.prompt_tokens or 0), r.out.error) for r in rows
+    ]
+    return results, report
+
+
+def _dask_embed(
+    prompts: Sequence[str | None],
+    embed_kwargs: Mapping[str, Any],
+    partitions: int,
+    scheduler: str | None = None,
+    progress: bool = False,
+) -> tuple[list, str | None]:
+    import dask
+    import dask.dataframe as dd
+    import pandas as pd
+
+    from llm_operator.embedding import EmbeddingResult
+    from llm_operator.integrations.dask import co_locate_if_it_helps, llm_embed
+
+    frame = pd.DataFrame(
+        {"row": range(len(prompts)), "prompt": pd.Series(list(prompts), dtype=object)}
+    )
+    client, owned = dask_client(scheduler)
+    settings: dict[str, Any] = {"dataframe.convert-string": False}
+    if client is None:
+        settings["scheduler"] = "threads"
+    kwargs = dict(embed_kwargs)
+    try:
+        with dask.config.set(settings):
+            ddf = dd.from_pandas(frame, npartitions=partitions)
+            report = None
+            if kwargs.pop("co_locate", True):  # the rows are put back in order below
+                ddf, decision = co_locate_if_it_helps(ddf, "prompt", partitions)
+                report = decision.report()
+            ddf = llm_embed(ddf, "prompt", output="out", co_locate=False, **kwargs)
+            computed = _compute_with_progress(ddf, client, progress).sort_values("row")
+    finally:
+        if owned:
+            client.close()
+    results = [
+        EmbeddingResult(
+            None if vector is None or vector is pd.NA else [float(v) for v in vector],
+            int(tokens),
+            None if error is None or error is pd.NA else str(error),
+        )
+        for vector, tokens, error in zip(
+            computed["out"].tolist(),
+            computed["out_prompt_tokens"].tolist(),
+            computed["out_error"].tolist(),
+        )
+    ]
+    return results, report
 
 
 def _to_result(record: Mapping[str, Any]):

@@ -1,4 +1,4 @@
-"""The ``llm-operator`` command: run | plan | bench | demo."""
+"""The ``llm-operator`` command: run | embed | plan | bench | demo."""
 
 from __future__ import annotations
 
@@ -128,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_option(run)
     option_table.add_arguments(run)
 
+    _add_embed_command(commands)
+
     plan_help = (
         "print the prefix-sharing report without loading the model (--estimate loads it to "
         "predict the run's time)"
@@ -193,6 +195,68 @@ def build_parser() -> argparse.ArgumentParser:
     )
     option_table.add_arguments(demo, ["engine"])
     return parser
+
+
+def _add_embed_command(commands) -> None:
+    text = "embed a text column: one vector per row, written beside the input columns"
+    embed = commands.add_parser("embed", help=text, description=text)
+    embed.set_defaults(command_handler=command_embed)
+    embed.add_argument("--input", type=Path, required=True, help="a Parquet, CSV or JSONL file")
+    embed.add_argument(
+        "--output",
+        type=Path,
+        required=True,
+        help="output file (.parquet: a fixed_size_list<float> column; .jsonl: a list per row)",
+    )
+    embed.add_argument("--column", required=True, help="the text column to embed")
+    embed.add_argument(
+        "--output-col",
+        default="embedding",
+        help="name of the vector column; {name}_prompt_tokens and {name}_error go beside it "
+        "(default: embedding)",
+    )
+    embed.add_argument("--limit", type=int, help="only the first N rows")
+    embed.add_argument(
+        "--encoding",
+        help="the text encoding of a CSV or JSONL input (default utf-8; e.g. latin-1, cp1252)",
+    )
+    embed.add_argument(
+        "--pooling",
+        default="last",
+        choices=("last", "mean", "cls"),
+        help="last: the last token's hidden state (decoder embedders); mean: the mean over "
+        "the tokens; cls: the first token's (BERT-style encoders) (default: last)",
+    )
+    embed.add_argument(
+        "--no-normalize",
+        dest="normalize",
+        action="store_false",
+        help="keep the vectors' lengths (default: unit length)",
+    )
+    embed.add_argument(
+        "--dimensions",
+        type=_count_type(1),
+        metavar="N",
+        help="keep the first N values of each vector (Matryoshka), before normalizing",
+    )
+    embed.add_argument(
+        "--co-locate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --engine spark or dask: move rows that share a prefix into one "
+        "partition first (default: on)",
+    )
+    _add_engine_options(
+        embed, "local", "run in this process, on Spark (local mode, or --master) or on Dask"
+    )
+    embed.add_argument(
+        "--scheduler", metavar="ADDRESS", help="with --engine dask: the Dask scheduler to run on"
+    )
+    embed.add_argument(
+        "--master", metavar="URL", help="with --engine spark: where Spark runs (as for run)"
+    )
+    add_model_option(embed)
+    option_table.add_arguments(embed, ["engine"])
 
 
 def _add_installed_commands(commands) -> None:
@@ -306,6 +370,81 @@ def command_run(args) -> int:
         line += f"; {co_location}"
     print(f"{line}; wrote {args.output}")
     return 0
+
+
+def command_embed(args) -> int:
+    """One vector per row of --column, written beside the input columns."""
+    import pyarrow as pa
+
+    from llm_operator.cli.tables import (
+        add_embedding_columns,
+        prompts_from_table,
+        read_table,
+        table_format,
+        write_table,
+    )
+
+    if table_format(args.output) == "csv":
+        raise ValueError(f"{str(args.output)!r}: CSV cannot hold vectors; write .parquet or .jsonl")
+    for flag, engine in (("scheduler", "dask"), ("master", "spark")):
+        if getattr(args, flag) is not None and args.engine != engine:
+            raise ValueError(f"--{flag} is for --engine {engine} (got --engine {args.engine})")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    options = {
+        "pooling": args.pooling,
+        "normalize": args.normalize,
+        "dimensions": args.dimensions,
+        "co_locate": args.co_locate,
+        **option_table.from_arguments(args, ["engine"]),
+    }
+    from llm_operator.integrations.infer_options import make_embed_options
+
+    make_embed_options(model=args.model, **options)  # every option checked before the table
+    if args.engine != "local":  # one line per partition, from the workers
+        logging.getLogger("llm_operator.integrations").setLevel(logging.INFO)
+    table = read_table(args.input, args.encoding)
+    if args.limit is not None:
+        table = table.slice(0, args.limit)
+    if args.column not in table.column_names:
+        raise ValueError(
+            f"--column {args.column!r} is not a column of the input; "
+            f"columns: {', '.join(table.column_names)}"
+        )
+    kind = table.schema.field(args.column).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)
+            or pa.types.is_binary(kind) or pa.types.is_large_binary(kind)):  # fmt: skip
+        raise ValueError(f"--column {args.column!r} holds {kind} values, not text")
+    prompts = prompts_from_table(table, prompt_col=args.column)  # text that is not UTF-8: bytes
+    where = {name: getattr(args, name) for name in GENERATE_ARGS}
+    results, seconds, stats, co_location = engines.embed(prompts, **where, **options)
+    table = add_embedding_columns(table, results, args.output_col)
+    write_table(table, args.output)
+    line = embed_summary(results, seconds, args.engine, stats)
+    if co_location is not None:
+        line += f"; {co_location}"
+    print(f"{line}; wrote {args.output}")
+    return 0
+
+
+def embed_summary(results: list, seconds: float, engine: str, stats) -> str:
+    """The embed run's summary line: rows, error rows, the vectors' length, prompt tokens
+    and (on the local engine) the prefill computed and the saving, rows/s."""
+    widths = {len(r.embedding) for r in results if r.embedding is not None}
+    shape = f"{widths.pop()}-dimensional vectors" if len(widths) == 1 else "no vectors"
+    prompt_tokens = sum(r.prompt_tokens for r in results if not r.is_error)
+    line = (
+        f"{len(results)} rows ({sum(r.is_error for r in results)} errors, {shape}) on {engine} "
+        f"in {seconds:.1f} s, {len(results) / seconds if seconds > 0 else 0.0:.2f} rows/s; "
+        f"{prompt_tokens:,} prompt tokens"
+    )
+    if stats is None:
+        return f"{line} (prefill computed: each partition's line above)"
+    saving = 1 - stats.prefill_tokens_computed / prompt_tokens if prompt_tokens else 0.0
+    line += f", {stats.prefill_tokens_computed:,} prefilled (saving {saving:.1%})"
+    if stats.engine_paths:
+        line += f"; engine: {stats.engine_paths}"
+    return line
 
 
 def _generate(args, prompts: list, options: dict, constraints: list | None):

@@ -174,6 +174,26 @@ def add_result_columns(
     return table
 
 
+def add_embedding_columns(table: pa.Table, results: Sequence, output: str) -> pa.Table:
+    """Append ``{output}`` (the vectors: ``fixed_size_list<float>[d]`` when every vector has
+    ``d`` values, else ``list<float>``; null on error rows), ``{output}_prompt_tokens``
+    (int32) and ``{output}_error``."""
+    widths = {len(r.embedding) for r in results if r.embedding is not None}
+    vector = pa.list_(pa.float32(), widths.pop()) if len(widths) == 1 else pa.list_(pa.float32())
+    columns = {
+        output: pa.array([r.embedding for r in results], vector),
+        f"{output}_prompt_tokens": pa.array([r.prompt_tokens for r in results], pa.int32()),
+        f"{output}_error": pa.array([r.error for r in results], pa.string()),
+    }
+    for name, column in columns.items():
+        if name in table.column_names:
+            raise ValueError(
+                f"output column {name!r} already exists in the table; choose another --output-col"
+            )
+        table = table.append_column(name, column)
+    return table
+
+
 # characters str.splitlines() and some JSON Lines readers take for line breaks
 _LINE_BREAKS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
 
