@@ -20,7 +20,7 @@ VLLM_TESTS ?= 1
 # (its module fixtures built once); TEST_WORKERS=0 runs it in this process
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
-VLLM_TEST_FILES := tests/test_vllm_backend.py tests/test_bench_vllm.py tests/test_openai_backend.py
+VLLM_TEST_FILES := tests/test_vllm_backend.py tests/test_vllm_embed.py tests/test_bench_vllm.py tests/test_openai_backend.py
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
 ifeq ($(VLLM_TESTS),1)

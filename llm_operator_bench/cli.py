@@ -46,6 +46,7 @@ def add_commands(commands) -> None:
             "repro",
             "server",
             "frames",
+            "embed",
         ],
         help="systems (default), planner, fields (field order and dedupe through Spark "
         "local: --tables, --repeat), or decode (decode steps against the floor: "
@@ -65,7 +66,10 @@ def add_commands(commands) -> None:
         "--repeat (default 2), --cache-gibs, --concurrency, --faults), or frames (Spark "
         "and Dask llm_infer with and without co-location on shuffled, co-located and "
         "unshared frames of a tiny model, and SmolLM2 on the demo's tasks: "
-        "--frame-rows, --partitions, --engines, --shapes, --no-smollm2)",
+        "--frame-rows, --partitions, --engines, --shapes, --no-smollm2), or embed (embeddings "
+        "of contextual chunks and instruction queries: native with and without prefix "
+        "sharing, hf AutoModel and vLLM's pooling runner: --systems, --workloads, --pooling, "
+        "--quick, --vllm-python, --vllm-eager, --profile-ops)",
     )
     bench.add_argument(
         "--cache-gibs", default="0.15,2", help="server: the server's KV cache sizes (GiB)"
@@ -93,6 +97,14 @@ def add_commands(commands) -> None:
         type=float,
         default=0.1,
         help="server: the fraction of requests failing once in the fault run (0: none)",
+    )
+    bench.add_argument(
+        "--pooling", default="last", choices=["last", "mean", "cls"], help="embed: the pooling"
+    )
+    bench.add_argument(
+        "--profile-ops",
+        action="store_true",
+        help="embed: native with op profiling (its split by kind of work in the json)",
     )
     add_model_option(bench)
     bench.add_argument(
@@ -349,6 +361,33 @@ def command_bench(args) -> int:
             repeat=args.repeat,
         )
         return 0
+    if args.target == "embed":
+        from llm_operator_bench.suites.embed import SYSTEMS as EMBED_SYSTEMS
+        from llm_operator_bench.suites.embed import WORKLOADS as EMBED_WORKLOADS
+        from llm_operator_bench.suites.embed import run_embed_bench
+
+        systems = _names(args.systems)
+        workloads = _names(args.workloads)
+        report = run_embed_bench(
+            model=args.model,
+            systems=list(EMBED_SYSTEMS) if systems in (None, ["all"]) else systems,
+            workloads=list(EMBED_WORKLOADS) if workloads in (None, ["all"]) else workloads,
+            size="quick" if args.quick or args.size in ("tiny", "quick") else "default",
+            pooling=args.pooling,
+            seed=args.seed,
+            vllm_python=args.vllm_python,
+            vllm_eager=args.vllm_eager or args.quick,
+            vllm_block_size=args.vllm_block_size or 32,
+            kv_cache_gib=args.kv_cache_gib,
+            timeout=args.timeout,
+            profile_ops=args.profile_ops,
+            out=args.out,
+            name=args.name or "bench-embed",
+        )
+        from llm_operator_bench.suites.embed import embed_markdown
+
+        print(embed_markdown(report))
+        return 0 if all("error" not in s for s in report["systems"].values()) else 1
     if args.target == "decode":
         from llm_operator_bench.suites.decode import run_decode_bench
 

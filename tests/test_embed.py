@@ -213,3 +213,14 @@ def test_hf_backend_on_an_encoder(tiny_bert_dir: Path) -> None:
         assert_close(results, reference(tiny_bert_dir, PROMPTS, pooling))
     with pytest.raises(ValueError, match="native"):
         LLMOperator(tiny_bert_dir, backend="native").embed(PROMPTS[:1])
+
+
+def test_an_embedding_run_is_profiled(tiny_llama_dir: Path) -> None:
+    """The run's profile has its steps, and with profile_ops each step's split by kind."""
+    op = LLMOperator(tiny_llama_dir, backend="native", profile_ops=True, prefill_batch_tokens=64)
+    op.embed(PROMPTS, pooling="mean")
+    profile = op.embedder().backend.last_profile
+    assert profile.iterations == len(profile.steps) == len(profile.ops) > 1
+    assert sum(tokens for tokens, _, _ in profile.steps) == op.last_stats.prefill_tokens_computed
+    assert sum(rows for _, rows, _ in profile.steps) == op.last_stats.requests
+    assert any(split.get("linear", 0) > 0 for split in profile.ops)

@@ -24,11 +24,13 @@ vectors equal those of each row run alone.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
 
 from llm_operator import kernels
+from llm_operator.engine.native.op_profile import TimedOps
 from llm_operator.engine.native.sequence import REQUEST, SEGMENT, KVSequence
 
 if TYPE_CHECKING:
@@ -65,16 +67,25 @@ def embed_steps(backend: NativeBackend, run: EmbedRun, pooling: str) -> _NativeS
 
         @torch.inference_mode()
         def step(self) -> bool:
-            scheduler = self.scheduler
+            scheduler, profile, ops = self.scheduler, self.profile, self.backend.op_profile
             if scheduler.done:
                 return False
+            regions = None
+            if ops is not None:  # profile_ops: this step's seconds by kind of work
+                ops.begin()
+                regions = TimedOps(self.backend.ops, ops)
+            step_started = time.perf_counter()
             chunks = scheduler.schedule()
             plan = self.builder.plan(chunks, scheduler.copies)
             if plan.copies is not None:  # tail copies: before any layer reads them
                 copies = kernels.device_tensor(plan.copies, self.backend.device)
                 kernels.copy_blocks(self.implementation, [*self.k_cache, *self.v_cache], copies)
             batch = self.builder.to_device(plan)
-            hidden = self._forward(batch, None).float()
+            forward_started = time.perf_counter()
+            profile.schedule += forward_started - step_started
+            hidden = self._forward(batch, regions).float()
+            pool_started = time.perf_counter()
+            profile.forward += pool_started - forward_started
             self._keep(plan.chunks, plan.query_start, hidden)
             scheduler.complete(chunks)
             last = hidden[batch.last_rows] if plan.sampled else None
@@ -84,7 +95,13 @@ def embed_steps(backend: NativeBackend, run: EmbedRun, pooling: str) -> _NativeS
             if plan.sampled and run.progress is not None:
                 run.progress([chunk.seq.ref for chunk in plan.sampled])
             self.report_rejections()
-            self.profile.iterations += 1
+            ended = time.perf_counter()
+            profile.sample += ended - pool_started  # pooling, where generation samples
+            profile.host.append(forward_started - step_started + ended - pool_started)
+            profile.iterations += 1
+            profile.steps.append((plan.num_tokens, len(plan.sampled), ended - step_started))
+            if ops is not None:
+                profile.ops = [*(profile.ops or []), ops.end(ended - step_started)]
             return True
 
         def _keep(self, chunks, query_start, hidden: torch.Tensor) -> None:

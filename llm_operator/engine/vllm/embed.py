@@ -166,7 +166,9 @@ class VLLMEmbedder:
             "requests": len(runnable),
             "cached_tokens": cached,
             "rejected": len(failed),
-            "prefix_caching": bool(engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching),
+            "prefix_caching": bool(
+                engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+            ),
         }
         return vectors, failed, computed
 
