@@ -637,25 +637,14 @@ def infer_batches(
     With ``options.constraint_col`` each batch is a pair: the prompts and the rows'
     constraints.
     """
-    sizes: list[int] = []
-    values: list[Any] = []
     constraints: list[Any] | None = None if options.constraint_col is None else []
-    for batch in batches:
-        if constraints is not None:
-            batch, constraint = batch
+    if constraints is not None:
+        pairs = list(batches)
+        batches = [batch for batch, _ in pairs]
+        for _, constraint in pairs:
             constraints.extend(constraint_values(constraint))
-        sizes.append(len(batch))
-        try:
-            values.extend(prompt_values(batch))
-        except TypeError as error:  # name the column where the user gave one
-            if prompt_name is None:
-                raise
-            raise TypeError(f"prompt column {prompt_name!r}: {error}") from None
-    context = TaskContext.get()
-    if context is not None:
-        show_worker_logs()
-    label = f"spark partition {context.partitionId()}" if context is not None else "spark batch"
-    device = task_device(context, options)
+    sizes, values = _gathered(batches, prompt_name)
+    label, device = _task(options)
     extra = {} if constraints is None else {"constraints": constraints}
     results = run_partition(values, options, device=device, label=label, **extra) if values else []
     records = result_records(results, value_type)
@@ -666,26 +655,41 @@ def infer_batches(
         start += size
 
 
-def embed_batches(
-    batches: Iterator[pd.Series], options: EmbedOptions, prompt_name: str | None = None
-) -> Iterator[pd.DataFrame]:
-    """``llm_embed``'s UDF body: gather every batch of the partition, embed them as one
-    plan, yield one frame per input batch (its size, in order)."""
+def _gathered(
+    batches, prompt_name: str | None, function: str = "llm_infer"
+) -> tuple[list[int], list[Any]]:
+    """(each batch's size, every prompt of the partition in order): the whole partition
+    runs as one plan. A bad column type names the column where the user gave one."""
     sizes: list[int] = []
     values: list[Any] = []
     for batch in batches:
         sizes.append(len(batch))
         try:
-            values.extend(prompt_values(batch, "llm_embed"))
-        except TypeError as error:  # name the column where the user gave one
+            values.extend(prompt_values(batch, function))
+        except TypeError as error:
             if prompt_name is None:
                 raise
             raise TypeError(f"prompt column {prompt_name!r}: {error}") from None
+    return sizes, values
+
+
+def _task(options) -> tuple[str, str | None]:
+    """(the partition's label for the logs, the device this task runs on), with the
+    worker's log lines shown where a Spark task runs."""
     context = TaskContext.get()
     if context is not None:
         show_worker_logs()
     label = f"spark partition {context.partitionId()}" if context is not None else "spark batch"
-    device = task_device(context, options)
+    return label, task_device(context, options)
+
+
+def embed_batches(
+    batches: Iterator[pd.Series], options: EmbedOptions, prompt_name: str | None = None
+) -> Iterator[pd.DataFrame]:
+    """``llm_embed``'s UDF body: gather every batch of the partition, embed them as one
+    plan, yield one frame per input batch (its size, in order)."""
+    sizes, values = _gathered(batches, prompt_name, "llm_embed")
+    label, device = _task(options)
     results = run_embed_partition(values, options, device=device, label=label)
     assert len(results) == len(values), f"{label}: {len(results)} results, {len(values)} rows"
     start = 0
