@@ -165,12 +165,7 @@ def run_partition(
         stats = operator.last_stats
     if positions is not None:
         results = [results[i] for i in positions]
-    if stats.engine_paths and id(operator) not in _described:  # once per engine
-        _described.add(id(operator))
-        logger.info("this worker's engine: %s", stats.engine_paths)
-    if options.engine.stats_log:
-        seconds = time.perf_counter() - started
-        _log_stats(options.engine.stats_log, label, len(values), len(prompts), stats, seconds)
+    _record(operator, stats, options, label, len(values), len(prompts), started)
     logger.info(
         "%s: %d rows%s (%d errors%s), %d prompt tokens, %d prefilled, %d output tokens, "
         "%.2f s, saving ratio %.1f%%",
@@ -220,12 +215,7 @@ def run_embed_partition(
             dimensions=options.dimensions,
         )
         stats = operator.last_stats
-    if stats.engine_paths and id(operator) not in _described:
-        _described.add(id(operator))
-        logger.info("this worker's engine: %s", stats.engine_paths)
-    if options.engine.stats_log:
-        seconds = time.perf_counter() - started
-        _log_stats(options.engine.stats_log, label, len(values), len(values), stats, seconds)
+    _record(operator, stats, options, label, len(values), len(values), started)
     logger.info(
         "%s: %d rows embedded (%d errors), %d prompt tokens, %d prefilled, %.2f s, "
         "saving ratio %.1f%%",
@@ -255,6 +245,17 @@ def show_worker_logs() -> None:
         logging.Formatter("%(asctime)s %(levelname)s %(name)s [pid %(process)d]: %(message)s")
     )
     logger.addHandler(handler)
+
+
+def _record(operator, stats, options, label: str, rows: int, distinct: int, started: float):
+    """After a partition: the worker's engine paths logged once per engine, and the
+    partition's JSON line of statistics where ``stats_log`` asks for one."""
+    if stats.engine_paths and id(operator) not in _described:
+        _described.add(id(operator))
+        logger.info("this worker's engine: %s", stats.engine_paths)
+    if options.engine.stats_log:
+        seconds = time.perf_counter() - started
+        _log_stats(options.engine.stats_log, label, rows, distinct, stats, seconds)
 
 
 def _log_stats(path: str, label: str, rows: int, distinct: int, stats: Any, seconds: float):
