@@ -273,3 +273,26 @@ def compile_for_sm90(script: str, **env_defaults: str) -> None:
         pytest.skip(f"no Triton GPU compiler here: {result.stdout.strip()}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "compiled" in result.stdout
+
+
+def automodel_vectors(
+    model_dir, token_ids, pooling: str, *, dimensions: int | None = None, normalize: bool = True
+) -> list[torch.Tensor]:
+    """Hugging Face ``AutoModel``'s last hidden states of each row alone (fp32), pooled
+    ("last", "mean" or "cls"), truncated to ``dimensions``, then L2-normalized: the
+    embedding oracle."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+    model.eval()
+    vectors = []
+    with torch.inference_mode():
+        for ids in token_ids:
+            hidden = model(input_ids=torch.tensor([list(ids)])).last_hidden_state[0].float()
+            vector = {"last": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}[pooling]
+            if dimensions is not None:
+                vector = vector[:dimensions]
+            if normalize:
+                vector = torch.nn.functional.normalize(vector, dim=0)
+            vectors.append(vector)
+    return vectors

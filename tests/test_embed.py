@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import automodel_vectors
 
 from llm_operator import LLMOperator
 from llm_operator.embedding import POOLINGS, check_embedding_options
@@ -38,24 +39,14 @@ PROMPTS = [
 
 
 def reference(model_dir: Path, prompts, pooling: str, dimensions=None, normalize=True):
-    """AutoModel's last hidden states on each prompt alone, pooled, truncated, normalized."""
-    from transformers import AutoModel, AutoTokenizer
+    """AutoModel on each prompt alone, tokenized as a user would (``helpers.automodel_vectors``)."""
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
-    model.eval()
-    vectors = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-            hidden = model(input_ids=ids).last_hidden_state[0].float()
-            vector = {"last": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}[pooling]
-            if dimensions is not None:
-                vector = vector[:dimensions]
-            if normalize:
-                vector = torch.nn.functional.normalize(vector, dim=0)
-            vectors.append(vector)
-    return vectors
+    token_ids = [tokenizer(prompt)["input_ids"] for prompt in prompts]
+    return automodel_vectors(
+        model_dir, token_ids, pooling, dimensions=dimensions, normalize=normalize
+    )
 
 
 def assert_close(results, expected) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_config
+from helpers import automodel_vectors, tiny_config
 
 from llm_operator.engine.vllm.driver import vllm_available
 
@@ -84,27 +84,12 @@ def operator(model_dir: Path):
         embedder.close()
 
 
-def reference(model_dir: Path, token_ids, pooling: str) -> list[torch.Tensor]:
-    """AutoModel's last hidden states of each row alone, pooled, L2-normalized (fp32)."""
-    from transformers import AutoModel
-
-    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
-    model.eval()
-    vectors = []
-    with torch.inference_mode():
-        for ids in token_ids:
-            hidden = model(input_ids=torch.tensor([ids])).last_hidden_state[0].float()
-            vector = hidden[-1] if pooling == "last" else hidden.mean(0)
-            vectors.append(torch.nn.functional.normalize(vector, dim=0))
-    return vectors
-
-
 @needs_vllm
 @pytest.mark.parametrize("pooling", ["last", "mean"])
 def test_vectors_match_auto_model(operator, model_dir: Path, pooling: str) -> None:
     results = operator.embed(PROMPTS, pooling=pooling)
     token_ids = operator.tokenize(PROMPTS)
-    expected = reference(model_dir, token_ids, pooling)
+    expected = automodel_vectors(model_dir, token_ids, pooling)
     cosines = []
     for result, ids, vector in zip(results, token_ids, expected):
         assert result.error is None and result.prompt_tokens == len(ids)

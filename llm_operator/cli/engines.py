@@ -44,10 +44,7 @@ def generate(
     ``constraints``: with ``choices_col``, ``regex_col`` or ``json_schema_col`` (in
     ``options``), each prompt's constraint value (``constraint_cells``): one call serves
     rows of several tasks, on every engine."""
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
-        raise ValueError(f"partitions must be an int >= 1, got {partitions!r}")
+    _check_engine(engine, partitions)
     from llm_operator.integrations.infer_options import make_options
     from llm_operator.integrations.worker import get_operator, run_partition
 
@@ -80,6 +77,14 @@ def generate(
     return Generated(results, time.perf_counter() - started, stats, co_location)
 
 
+def _check_engine(engine: str, partitions: int) -> None:
+    """ValueError naming a bad ``engine`` or ``partitions`` (``generate``, ``embed``)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
+        raise ValueError(f"partitions must be an int >= 1, got {partitions!r}")
+
+
 def embed(
     prompts: Sequence[Any],
     *,
@@ -94,10 +99,7 @@ def embed(
     ``options``: ``pooling``, ``normalize``, ``dimensions``, ``co_locate`` and the engine
     options (``integrations.infer_options.make_embed_options``). A value that is not text
     is that row's error on every engine."""
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
-        raise ValueError(f"partitions must be an int >= 1, got {partitions!r}")
+    _check_engine(engine, partitions)
     from llm_operator.integrations.infer_options import make_embed_options
     from llm_operator.integrations.worker import get_operator, run_embed_partition
 
