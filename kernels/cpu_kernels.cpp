@@ -205,6 +205,59 @@ ALWAYS_INLINE void lanes_store(float* p, Lanes v) {
   _mm256_storeu_ps(p + 8, v.hi);
 }
 #define UNROLL_PAIRS _Pragma("GCC unroll 16")  // each row's two FMAs, unrolled over the rows
+
+// exp_nonpositive on 8 lanes: the same reduction and polynomial (GCC leaves the scalar
+// loops over it unvectorized on AVX2, where they took half of the attention's time).
+ALWAYS_INLINE __m256 exp_nonpositive8(__m256 x) {
+  const __m256 clamped = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), clamped);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i exponent =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 value = _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+  return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ), value);
+}
+#define HAVE_EXP8 1
+
+// exp_any on 8 lanes with exp_any's operations, each rounded (called where fp-contract is
+// off, as the scalar one there: the same values lane for lane)
+ALWAYS_INLINE __m256 exp_any8(__m256 x) {
+  const __m256 clamped =
+      _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.5f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  auto mul = [](__m256 a, float b) { return _mm256_mul_ps(a, _mm256_set1_ps(b)); };
+  auto add = [](__m256 a, float b) { return _mm256_add_ps(a, _mm256_set1_ps(b)); };
+  __m256 r = _mm256_sub_ps(clamped, mul(n, 0.693359375f));
+  r = _mm256_sub_ps(r, mul(n, -2.12194440e-4f));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = add(_mm256_mul_ps(p, r), 1.3981999507e-3f);
+  p = add(_mm256_mul_ps(p, r), 8.3334519073e-3f);
+  p = add(_mm256_mul_ps(p, r), 4.1665795894e-2f);
+  p = add(_mm256_mul_ps(p, r), 1.6666665459e-1f);
+  p = add(_mm256_mul_ps(p, r), 5.0000001201e-1f);
+  p = add(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), 1.0f);
+  const __m256i whole = _mm256_cvtps_epi32(n);
+  const __m256i half = _mm256_srai_epi32(whole, 1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 first = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+  const __m256 second = _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(whole, half), bias), 23));
+  const __m256 value = _mm256_mul_ps(_mm256_mul_ps(p, first), second);
+  const __m256 low = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+  const __m256 high = _mm256_cmp_ps(x, _mm256_set1_ps(88.5f), _CMP_GT_OQ);
+  return _mm256_blendv_ps(_mm256_andnot_ps(low, value),
+                          _mm256_set1_ps(std::numeric_limits<float>::infinity()), high);
+}
 #else
 using Lanes = vec16;
 ALWAYS_INLINE Lanes lanes_zero() { return vec16{}; }
@@ -917,6 +970,105 @@ struct UnitScratch {  // one thread's buffers, reused unit after unit
   std::vector<bf16_bits> key_copies;  // bf16 dot path: zero-padded partial key tiles
 };
 
+// One query's online-softmax step over `count` runs of 16 scores (row stride LANES): lanes
+// [masked[t], valid[t]) of run t are its visible keys. Updates run_max and the denominators
+// lane by lane (sums [LANES]); writes the weights exp(score - max) (0 where not visible)
+// and the factor for the running values (correction). False: it sees no key yet (weights
+// 0, correction 1, nothing else changed).
+#if defined(HAVE_EXP8)
+ALWAYS_INLINE bool softmax_query(const float* scores, float* weights, int count,
+                                 const int* valid, const int* masked, float& run_max,
+                                 float* sums, float& correction) {
+  const __m256 lanes_lo = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 lanes_hi = _mm256_add_ps(lanes_lo, _mm256_set1_ps(8.0f));
+  const __m256 none = _mm256_set1_ps(NEG_INF);
+  __m256 keep_lo[SUB_TILES], keep_hi[SUB_TILES];
+  __m256 max_lo = none, max_hi = none;
+  for (int t = 0; t < count; ++t) {
+    const __m256 v = _mm256_set1_ps(static_cast<float>(valid[t]));
+    const __m256 m = _mm256_set1_ps(static_cast<float>(masked[t]));
+    keep_lo[t] = _mm256_and_ps(_mm256_cmp_ps(lanes_lo, v, _CMP_LT_OQ),
+                               _mm256_cmp_ps(lanes_lo, m, _CMP_GE_OQ));
+    keep_hi[t] = _mm256_and_ps(_mm256_cmp_ps(lanes_hi, v, _CMP_LT_OQ),
+                               _mm256_cmp_ps(lanes_hi, m, _CMP_GE_OQ));
+    const float* row = scores + t * LANES;
+    max_lo = _mm256_max_ps(max_lo, _mm256_blendv_ps(none, _mm256_loadu_ps(row), keep_lo[t]));
+    max_hi = _mm256_max_ps(max_hi, _mm256_blendv_ps(none, _mm256_loadu_ps(row + 8), keep_hi[t]));
+  }
+  __m256 top = _mm256_max_ps(max_lo, max_hi);
+  top = _mm256_max_ps(top, _mm256_permute2f128_ps(top, top, 1));
+  top = _mm256_max_ps(top, _mm256_shuffle_ps(top, top, _MM_SHUFFLE(1, 0, 3, 2)));
+  top = _mm256_max_ps(top, _mm256_shuffle_ps(top, top, _MM_SHUFFLE(2, 3, 0, 1)));
+  const float new_max = std::max(run_max, _mm256_cvtss_f32(top));
+  if (new_max == NEG_INF) {
+    correction = 1.0f;
+    std::fill(weights, weights + STEP_KEYS, 0.0f);
+    return false;
+  }
+  const float c = exp_nonpositive(run_max - new_max);
+  correction = c;
+  run_max = new_max;
+  const __m256 shift = _mm256_set1_ps(new_max), factor = _mm256_set1_ps(c);
+  __m256 sum_lo = _mm256_mul_ps(_mm256_loadu_ps(sums), factor);
+  __m256 sum_hi = _mm256_mul_ps(_mm256_loadu_ps(sums + 8), factor);
+  for (int t = 0; t < count; ++t) {
+    const float* row = scores + t * LANES;
+    const __m256 e_lo = _mm256_and_ps(
+        keep_lo[t], exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(row), shift)));
+    const __m256 e_hi = _mm256_and_ps(
+        keep_hi[t], exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(row + 8), shift)));
+    _mm256_storeu_ps(weights + t * LANES, e_lo);
+    _mm256_storeu_ps(weights + t * LANES + 8, e_hi);
+    sum_lo = _mm256_add_ps(sum_lo, e_lo);
+    sum_hi = _mm256_add_ps(sum_hi, e_hi);
+  }
+  _mm256_storeu_ps(sums, sum_lo);
+  _mm256_storeu_ps(sums + 8, sum_hi);
+  return true;
+}
+#else
+ALWAYS_INLINE bool softmax_query(const float* scores, float* weights, int count,
+                                 const int* valid, const int* masked, float& run_max,
+                                 float* sums, float& correction) {
+  float lane_max[LANES];
+  for (int j = 0; j < LANES; ++j) lane_max[j] = NEG_INF;
+  for (int t = 0; t < count; ++t) {
+    const float* row = scores + t * LANES;
+    const int v = valid[t], m = masked[t];
+#pragma omp simd
+    for (int j = 0; j < LANES; ++j)
+      lane_max[j] = std::max(lane_max[j], j < v && j >= m ? row[j] : NEG_INF);
+  }
+  float step_max = NEG_INF;
+#pragma omp simd reduction(max : step_max)
+  for (int j = 0; j < LANES; ++j) step_max = std::max(step_max, lane_max[j]);
+  const float new_max = std::max(run_max, step_max);
+  if (new_max == NEG_INF) {
+    correction = 1.0f;
+    std::fill(weights, weights + STEP_KEYS, 0.0f);
+    return false;
+  }
+  const float c = exp_nonpositive(run_max - new_max);
+  correction = c;
+  run_max = new_max;
+  float step_sums[LANES];
+  for (int j = 0; j < LANES; ++j) step_sums[j] = sums[j] * c;
+  for (int t = 0; t < count; ++t) {
+    const float* row = scores + t * LANES;
+    float* w = weights + t * LANES;
+    const int v = valid[t], m = masked[t];
+#pragma omp simd
+    for (int j = 0; j < LANES; ++j) {
+      const float e = j < v && j >= m ? exp_nonpositive(row[j] - new_max) : 0.0f;
+      w[j] = e;
+      step_sums[j] += e;
+    }
+  }
+  for (int j = 0; j < LANES; ++j) sums[j] = step_sums[j];
+  return true;
+}
+#endif
+
 // carried: batch-invariant mode (see AttentionPlan::invariant): the unit starts from its
 // queries' running state in out.state_* and leaves it there. sub_tiles: runs of keys per
 // softmax step (SUB_TILES; 1 where steps must be the blocks themselves).
@@ -1076,48 +1228,17 @@ void run_unit(const AttentionArgs<T>& a, const Unit& u, Partials& out, UnitScrat
         const int64_t query_limit = static_cast<int64_t>(limit[query]);
         const int64_t query_low = static_cast<int64_t>(low[query]);
         int valid[SUB_TILES], masked[SUB_TILES];
-        float lane_max[LANES];
-        for (int j = 0; j < LANES; ++j) lane_max[j] = NEG_INF;
         for (int t = 0; t < count; ++t) {
           valid[t] = static_cast<int>(std::max<int64_t>(
               0, std::min<int64_t>(tiles[t].width, query_limit - tiles[t].first)));
           // lanes below `masked` lie before the query's window
           masked[t] = static_cast<int>(
               std::min<int64_t>(std::max<int64_t>(0, query_low - tiles[t].first), LANES));
-          const float* row = scores[i] + t * LANES;
-          const int v = valid[t], m = masked[t];
-#pragma omp simd
-          for (int j = 0; j < LANES; ++j)
-            lane_max[j] = std::max(lane_max[j], j < v && j >= m ? row[j] : NEG_INF);
         }
-        float step_max = NEG_INF;
-#pragma omp simd reduction(max : step_max)
-        for (int j = 0; j < LANES; ++j) step_max = std::max(step_max, lane_max[j]);
-        const float new_max = std::max(run_max[query], step_max);
-        if (new_max == NEG_INF) {  // sees no key yet: nothing changes
-          correction[i] = 1.0f;
-          std::fill(weights[i], weights[i] + STEP_KEYS, 0.0f);
-          continue;
-        }
-        const float c = exp_nonpositive(run_max[query] - new_max);
-        correction[i] = c;
-        run_max[query] = new_max;
-        float* sums = lane_sums + query * LANES;
-        float step_sums[LANES];
-        for (int j = 0; j < LANES; ++j) step_sums[j] = sums[j] * c;
-        for (int t = 0; t < count; ++t) {
-          const float* row = scores[i] + t * LANES;
-          float* w = weights[i] + t * LANES;
-          const int v = valid[t], m = masked[t];
-#pragma omp simd
-          for (int j = 0; j < LANES; ++j) {
-            const float e = j < v && j >= m ? exp_nonpositive(row[j] - new_max) : 0.0f;
-            w[j] = e;
-            step_sums[j] += e;
-          }
-          keys[t] = std::max(keys[t], v);
-        }
-        for (int j = 0; j < LANES; ++j) sums[j] = step_sums[j];
+        if (!softmax_query(scores[i], weights[i], count, valid, masked, run_max[query],
+                           lane_sums + query * LANES, correction[i]))
+          continue;  // sees no key yet: nothing changes
+        for (int t = 0; t < count; ++t) keys[t] = std::max(keys[t], valid[t]);
       }
       // keys past a query's limit weigh 0 but are real (written) keys of this item
       for (int t = 0; t < count; ++t) {
@@ -1510,11 +1631,23 @@ void qkv_rope_rows(const T* qkv, const T* cos, const T* sin, const T* q_norm, co
 // one token's SiLU(gate) * up over size values
 template <typename T>
 NO_CONTRACT void silu_mul_row(const T* gate, const T* up, T* dst, int64_t size) {
+  int64_t i = 0;
+#if defined(HAVE_EXP8)
+  if constexpr (std::is_same_v<T, float>) {  // GCC leaves the loop below scalar on AVX2
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= size; i += 8) {
+      const __m256 g = _mm256_loadu_ps(gate + i);
+      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp_any8(_mm256_xor_ps(g, sign))));
+      _mm256_storeu_ps(dst + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+    }
+  }
+#endif
+  const int64_t first = i;
 #pragma omp simd
-  for (int64_t i = 0; i < size; ++i) {
-    const float g = load_float(gate + i);
+  for (int64_t k = first; k < size; ++k) {
+    const float g = load_float(gate + k);
     const float silu = round_to<T>(g / (1.0f + exp_any(-g)));
-    store_float(dst + i, silu * load_float(up + i));
+    store_float(dst + k, silu * load_float(up + k));
   }
 }
 

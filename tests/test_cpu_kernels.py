@@ -368,3 +368,18 @@ def test_self_check_catches_a_wrong_kernel(cpu_module):
     assert cpu_ops.self_check(cpu_module) is None
     reason = cpu_ops.self_check(Wrong())
     assert reason is not None and reason.startswith("paged_attention")
+
+
+def test_silu_lanes_match_the_scalar_loop(cpu_module):
+    """fp32 SiLU runs 8 lanes at a time where the CPU has AVX2 and each leftover value
+    alone: a value's result must not depend on which of the two computed it."""
+    generator = torch.Generator().manual_seed(5)
+    gate = torch.randn(64, generator=generator) * 8.0
+    gate[:6] = torch.tensor([90.0, -90.0, 0.0, -30.0, 88.6, -87.5])  # the exp's edges
+    up = torch.randn(64, generator=generator)
+    together = cpu_module.silu_mul(torch.cat([gate, up]).view(1, -1))  # 8 lanes at a time
+    alone = torch.cat(
+        [cpu_module.silu_mul(torch.stack([g, u]).view(1, 2)) for g, u in zip(gate, up)], dim=1
+    )  # one value per call: the scalar loop
+    assert torch.equal(together, alone)
+    torch.testing.assert_close(together[0], torch.nn.functional.silu(gate) * up)
