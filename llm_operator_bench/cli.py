@@ -381,6 +381,7 @@ def command_bench(args) -> int:
             kv_cache_gib=args.kv_cache_gib,
             timeout=args.timeout,
             profile_ops=args.profile_ops,
+            repeat=args.repeat,
             out=args.out,
             name=args.name or "bench-embed",
         )

@@ -23,7 +23,7 @@ def report(tiny_llama_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-embed")
     code = main(
         ["bench", "embed", "--quick", "--model", str(tiny_llama_dir), "--systems",
-         ",".join(SYSTEMS), "--out", str(out), "--name", "quick"]
+         ",".join(SYSTEMS), "--repeat", "2", "--out", str(out), "--name", "quick"]
     )  # fmt: skip
     assert code == 0
     return out, json.loads((out / "quick.json").read_text())
@@ -44,13 +44,18 @@ def test_records_cover_every_system_and_workload(report) -> None:
     for record in data["records"]:
         assert record["rows"] == rows[record["name"]] and record["error_rows"] == 0
         assert record["seconds"] > 0 and record["rows_per_s"] > 0
+        assert len(record["runs"]) == 2 and min(record["runs"]) <= record["seconds"]
+        assert record["seconds"] <= max(record["runs"])  # the median of the runs
+        assert record["linear_gflops"] > 0
         assert record["prompt_tokens"] == next(
             w["prompt_tokens"] for w in data["workloads"] if w["name"] == record["name"]
         )
         assert record["peak_rss_bytes"] > 0
         assert 0 < record["tokens_computed"] <= record["prompt_tokens"]
+    assert data["repeat"] == 2 and data["rates"]["float32"]["gflops"] > 0
     markdown = (out / "quick.md").read_text()
     assert data["machine"]["cpu"] in markdown
+    assert "the median of 2 runs" in markdown and "torch linear float32" in markdown
     assert markdown.count("| contextual-chunks | native") == 2
 
 

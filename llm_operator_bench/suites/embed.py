@@ -190,6 +190,8 @@ def run_embed_bench(
     kv_cache_gib: float = 4.0,
     timeout: float | None = None,
     profile_ops: bool = False,
+    repeat: int = 1,
+    measure_rate: bool = True,
     out: Path,
     name: str = "bench-embed",
 ) -> dict[str, Any]:
@@ -199,6 +201,7 @@ def run_embed_bench(
 
     from llm_operator import LLMOperator
     from llm_operator_bench.core.runner import machine_info, now
+    from llm_operator_bench.core.suite import machine_rate
 
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
@@ -208,6 +211,8 @@ def run_embed_bench(
         raise ValueError(f"embed workloads are {', '.join(WORKLOADS)}, got {sorted(unknown)}")
     if size not in SIZES:
         raise ValueError(f"embed sizes are {', '.join(SIZES)}, got {size!r}")
+    if repeat < 1:
+        raise ValueError(f"repeat must be at least 1, got {repeat}")
     operator = LLMOperator(model, progress=False)
     model_path = str(operator.model.path)
     built = build_workloads(
@@ -219,6 +224,7 @@ def run_embed_bench(
     )
     machine = machine_info()
     _log(f"bench embed: {machine.get('cpu')}; {model}; size {size}; pooling {pooling}")
+    shape, rates = machine_rate(operator, _log) if measure_rate else (None, None)
     out.mkdir(parents=True, exist_ok=True)
     started_at = now()
     results: dict[str, dict[str, Any]] = {}
@@ -227,7 +233,7 @@ def run_embed_bench(
         for system in systems:
             job = {
                 "system": system, "model": model_path, "pooling": pooling, "dtype": dtype,
-                "vectors_dir": str(folder), "workloads": built,
+                "vectors_dir": str(folder), "workloads": built, "repeat": repeat,
                 "options": {"profile_ops": True} if profile_ops and system == "native" else {},
                 "vllm": {"kv_cache_gib": kv_cache_gib, "block_size": vllm_block_size,
                          "enforce_eager": bool(vllm_eager)},
@@ -252,6 +258,10 @@ def run_embed_bench(
             vectors = record.pop("vectors_array")
             ref = reference.get(record["name"])
             record["agreement_with_hf"] = None if ref is None else _agreement(vectors, ref)
+            computed = record.get("tokens_computed")
+            if shape is not None and computed is not None and record["seconds"] > 0:
+                linear = 2.0 * shape.linear_weights() * computed
+                record["linear_gflops"] = linear / record["seconds"] / 1e9
             records.append({"system": system, **record})
     report = {
         "suite": "embed",
@@ -262,6 +272,8 @@ def run_embed_bench(
         "size": size,
         "pooling": pooling,
         "dtype": dtype,
+        "repeat": repeat,
+        "rates": rates,
         "workloads": [
             {
                 "name": w["name"],
@@ -306,7 +318,16 @@ def embed_markdown(report: dict[str, Any]) -> str:
         f"Machine: {machine.get('cpu')} ({machine.get('cpu_count')} CPUs, "
         f"{', '.join(machine.get('cpu_features') or []) or 'no listed vector features'}); "
         f"model {report['model']}, {report['dtype']}, {report['pooling']} pooling; size "
-        f"{report['size']}. Seconds: the embed call alone (model loaded and warmed first).",
+        f"{report['size']}. Seconds: the embed call alone (model loaded and warmed first)"
+        + (
+            f", the median of {report['repeat']} runs."
+            if report.get("repeat", 1) > 1
+            else ", one run."
+        ),
+        "",
+        f"Matmul rate on the model's shapes in this run: {_rates_line(report.get('rates'))}. "
+        "Linear GFLOP/s: the tokens a system computed x 2 x the model's linear weights, "
+        "per second (attention and the rest left out).",
         "",
         "| workload | rows | prompt tokens |",
         "|---|---:|---:|",
@@ -315,9 +336,9 @@ def embed_markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {w['name']} | {w['rows']} | {w['prompt_tokens']:,} |")
     lines += [
         "",
-        "| workload | system | seconds | rows/s | tokens computed | peak RSS MiB "
-        "| cosine vs hf (min / median) | hf s / this s |",
-        "|---|---|---:|---:|---:|---:|---|---:|",
+        "| workload | system | seconds | runs | rows/s | tokens computed | linear GFLOP/s "
+        "| peak RSS MiB | cosine vs hf (min / median) | hf s / this s |",
+        "|---|---|---:|---|---:|---:|---:|---:|---|---:|",
     ]
     by_key = {(r["system"], r["name"]): r for r in report["records"]}
     for w in report["workloads"]:
@@ -328,9 +349,12 @@ def embed_markdown(report: dict[str, Any]) -> str:
             peak = record.get("peak_rss_bytes")
             computed = record.get("tokens_computed")
             ratio = "-" if hf is None else f"{hf['seconds'] / record['seconds']:.2f}x"
+            runs = ", ".join(f"{r:.2f}" for r in record.get("runs") or [record["seconds"]])
+            linear = record.get("linear_gflops")
             lines.append(
-                f"| {w['name']} | {record['system']} | {record['seconds']:.2f} | "
+                f"| {w['name']} | {record['system']} | {record['seconds']:.2f} | {runs} | "
                 f"{record['rows_per_s']:.1f} | {'-' if computed is None else f'{computed:,}'} | "
+                f"{'-' if linear is None else f'{linear:.0f}'} | "
                 f"{'-' if peak is None else f'{peak / 2**20:.0f}'} | {cosine} | "
                 f"{ratio} |"
             )
@@ -344,3 +368,19 @@ def embed_markdown(report: dict[str, Any]) -> str:
                 f"{info.get('torch_threads')} torch threads"
             )
     return "\n".join(lines) + "\n"
+
+
+def _rates_line(rates: dict[str, Any] | None) -> str:
+    """torch's linear per dtype and the quantized kernel's, as the systems bench lists them."""
+    from llm_operator_bench.core.rate import QUANTIZED_RATES, RATE_DTYPES, describe_rate
+
+    if not rates:
+        return "not measured"
+    torch_rates = describe_rate({k: rates[k] for k in RATE_DTYPES if k in rates})
+    quantized = {k: rates[k] for k in QUANTIZED_RATES if k in rates}
+    line = f"torch linear {torch_rates}"
+    if quantized:
+        line += (
+            f"; the compiled quantized kernel {describe_rate(quantized).replace('GFLOP', 'GOP')}"
+        )
+    return line

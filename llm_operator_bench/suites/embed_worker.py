@@ -4,18 +4,19 @@
 
     {"system": "native" | "native-noshare" | "hf" | "vllm", "model": path,
      "pooling": "last" | "mean" | "cls", "dtype": "float32", "vectors_dir": path,
-     "workloads": [{"name", "texts": [...], "token_ids": [[...], ...]}],
+     "workloads": [{"name", "texts": [...], "token_ids": [[...], ...]}], "repeat": runs,
      "vllm": {vLLM engine options (vllm only)}}
 
 and writes RESULT (json): {"system", "load_seconds", "torch_threads", "engine",
-"workloads": [{"name", "rows", "seconds", "rows_per_s", "prompt_tokens",
-"tokens_computed", "peak_rss_bytes", "error_rows", "vectors"}]} or {"error": ...}.
+"workloads": [{"name", "rows", "seconds" (the median of the runs), "runs", "rows_per_s",
+"prompt_tokens", "tokens_computed", "peak_rss_bytes", "error_rows", "vectors"}]} or
+{"error": ...}.
 
 The operator systems embed the texts through ``LLMOperator.embed`` (vectors L2-normalized
 by the operator); ``vllm`` calls ``vllm.LLM.embed`` on the rows' token ids in input order
 (its pooling runner, raw vectors, normalized here). Before the timed runs each system
-embeds two short rows (the model loaded, kernels compiled, vLLM warmed) and vLLM's prefix
-cache is reset before each workload. Each workload's vectors go to
+embeds two short rows (the model loaded, kernels compiled, vLLM warmed); each workload
+then runs ``repeat`` times (default 1), vLLM's prefix cache reset before each run. Each workload's vectors go to
 ``<vectors_dir>/<system>-<workload>.npy`` (float32 [rows, hidden]).
 """
 
@@ -63,9 +64,11 @@ def _operator_system(job: dict[str, Any]) -> dict[str, Any]:
     records = []
     for workload in job["workloads"]:
         reset_peak_rss()
-        started = time.perf_counter()
-        results = op.embed(workload["texts"], pooling=job["pooling"])
-        seconds = time.perf_counter() - started
+        runs = []
+        for _ in range(_repeat(job)):
+            started = time.perf_counter()
+            results = op.embed(workload["texts"], pooling=job["pooling"])
+            runs.append(time.perf_counter() - started)
         peak = peak_rss_bytes()
         stats = op.last_stats
         vectors = np.asarray(
@@ -76,7 +79,7 @@ def _operator_system(job: dict[str, Any]) -> dict[str, Any]:
             _record(
                 job,
                 workload,
-                seconds,
+                runs,
                 vectors,
                 peak,
                 error_rows=stats.error_rows,
@@ -123,12 +126,14 @@ def _vllm_system(job: dict[str, Any]) -> dict[str, Any]:
     load_seconds = time.perf_counter() - started
     records = []
     for workload in job["workloads"]:
-        engine.reset_prefix_cache()
         reset_peak_rss()
-        started = time.perf_counter()
-        outputs = embedder.embed_token_ids(workload["token_ids"], engine)
-        vectors = np.asarray([o.outputs.embedding for o in outputs], dtype=np.float32)
-        seconds = time.perf_counter() - started
+        runs = []
+        for _ in range(_repeat(job)):
+            engine.reset_prefix_cache()  # each run computes what it shares itself
+            started = time.perf_counter()
+            outputs = embedder.embed_token_ids(workload["token_ids"], engine)
+            vectors = np.asarray([o.outputs.embedding for o in outputs], dtype=np.float32)
+            runs.append(time.perf_counter() - started)
         peak = peak_rss_bytes()
         norms = np.linalg.norm(vectors, axis=1, keepdims=True)
         vectors = vectors / np.where(norms > 0, norms, 1)
@@ -138,7 +143,7 @@ def _vllm_system(job: dict[str, Any]) -> dict[str, Any]:
             _record(
                 job,
                 workload,
-                seconds,
+                runs,
                 vectors,
                 peak,
                 error_rows=0,
@@ -159,16 +164,28 @@ def _vllm_system(job: dict[str, Any]) -> dict[str, Any]:
     return {"load_seconds": load_seconds, "engine": description, "records": records}
 
 
-def _record(job, workload, seconds, vectors, peak, **fields) -> dict[str, Any]:
+def _repeat(job: dict[str, Any]) -> int:
+    repeat = int(job.get("repeat", 1))
+    if repeat < 1:
+        raise ValueError(f"repeat must be at least 1, got {repeat}")
+    return repeat
+
+
+def _record(job, workload, runs, vectors, peak, **fields) -> dict[str, Any]:
+    """A workload's record: ``seconds`` is the median of ``runs`` (each run's seconds)."""
+    import statistics
+
     import numpy as np
 
     path = Path(job["vectors_dir"]) / f"{job['system']}-{workload['name']}.npy"
     np.save(path, vectors)
     rows = len(workload["token_ids"])
+    seconds = statistics.median(runs)
     return {
         "name": workload["name"],
         "rows": rows,
         "seconds": seconds,
+        "runs": list(runs),
         "rows_per_s": rows / seconds if seconds > 0 else None,
         "peak_rss_bytes": peak,
         "vectors": str(path),
