@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llm_operator.engine.native.block_manager import BlockManager
-from llm_operator.engine.native.scheduler import Scheduler
+from llm_operator.engine.native.scheduler import Scheduler, blocks_needed
 from llm_operator.engine.native.sequence import READY, RUNNING
 from llm_operator.planner import build_plan
 
@@ -576,3 +576,44 @@ def test_tail_copies_start_every_sequence_on_a_block_boundary():
     assert (stats.tail_copies, stats.copied_tokens) == (3, 6)
     assert stats.prefill_tokens == plain.scheduler.stats.prefill_tokens == 6 + 3 * 2
     assert copied.outputs == plain.outputs
+
+
+@settings(max_examples=300, deadline=None)
+@given(workloads(tight=True))
+def test_a_pool_of_blocks_needed_never_makes_a_row_wait_for_memory(workload):
+    """The native backend sizes its pool to ``blocks_needed`` when the budget allows. That
+    must bound what the run ever holds, so a pool that size schedules exactly as a roomier
+    one: nothing rejected, preempted or evicted, the same iterations."""
+    plan = build_plan(workload.prompts, workload.max_tokens)
+    need = blocks_needed(plan, workload.block_size, workload.options["share_prefixes"])
+    # every request admitted at once and prefilled in one iteration: the most memory held
+    options = {**workload.options, "max_running": 10_000, "max_batched_tokens": 10_000}
+
+    def run(num_blocks):
+        return run_workload(
+            workload.prompts,
+            workload.max_tokens,  # every row generates its whole budget
+            num_blocks=num_blocks,
+            block_size=workload.block_size,
+            **options,
+        )
+
+    roomy, fitted = run(4 * need + 64), run(need)
+    assert roomy.scheduler.stats.peak_blocks <= need
+    stats = fitted.scheduler.stats
+    assert fitted.scheduler.rejected == []
+    assert (stats.preemptions, stats.segment_evictions) == (0, 0)
+    assert stats.iterations == roomy.scheduler.stats.iterations
+    assert fitted.outputs == roomy.outputs
+
+
+def test_blocks_needed_counts_a_shared_document_once():
+    """Five rows after one 100-token document, blocks of 16, 3 outputs each: the document's
+    7 blocks once, then each row's 7 own tokens (from the block boundary before them: 4 of
+    the document's tokens, 14 tokens in all) in 1 block plus 1 of slack. Without sharing
+    every row holds its whole 107 + 3 tokens."""
+    document = list(range(100))
+    prompts = [document + [1000 + 10 * row + i for i in range(7)] for row in range(5)]
+    plan = build_plan(prompts, 3)
+    assert blocks_needed(plan, 16, share_prefixes=True) == 7 + 5 * (1 + 1)
+    assert blocks_needed(plan, 16, share_prefixes=False) == 5 * (7 + 1)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from llm_operator.engine.native.block_manager import BlockManager
-from llm_operator.engine.native.scheduler import Scheduler
+from llm_operator.engine.native.scheduler import Scheduler, blocks_needed
 from llm_operator.estimate.cost import FEATURES, chunk_features, iteration_total
 from llm_operator.planner import Plan
 
@@ -47,12 +47,12 @@ class Replay:
     steps: list[tuple[float, ...]] = field(default_factory=list)  # per iteration (keep_steps)
 
 
-def num_blocks_for(plan: Plan, budget_blocks: int, block_size: int) -> int:
+def num_blocks_for(
+    plan: Plan, budget_blocks: int, block_size: int, share_prefixes: bool = True
+) -> int:
     """The native backend's pool for a plan: its budget, but no more than the plan could
-    ever hold at once (``NativeBackend._num_blocks``)."""
-    need = sum(-(-len(s.token_ids) // block_size) for s in plan.segments)
-    need += sum(-(-(len(r.token_ids) + r.max_tokens) // block_size) + 1 for r in plan.requests)
-    return max(1, min(budget_blocks, need))
+    ever hold at once (``NativeBackend._num_blocks``, ``scheduler.blocks_needed``)."""
+    return max(1, min(budget_blocks, blocks_needed(plan, block_size, share_prefixes)))
 
 
 def replay(
@@ -62,7 +62,7 @@ def replay(
     assert len(samples) == len(plan.requests), "one sample count per planned request"
     num_blocks = settings.num_blocks
     if settings.fit_to_plan:
-        num_blocks = num_blocks_for(plan, num_blocks, settings.block_size)
+        num_blocks = num_blocks_for(plan, num_blocks, settings.block_size, settings.share_prefixes)
     scheduler = Scheduler(
         plan,
         BlockManager(num_blocks, settings.block_size),

@@ -34,7 +34,12 @@ from llm_operator.engine.native.decode_graphs import DecodeGraphs
 from llm_operator.engine.native.op_profile import OpProfile, TimedOps
 from llm_operator.engine.native.overlap import OverlappedSteps, patch_input_ids
 from llm_operator.engine.native.paths import EnginePaths
-from llm_operator.engine.native.scheduler import KVSequence, ScheduledChunk, Scheduler
+from llm_operator.engine.native.scheduler import (
+    KVSequence,
+    ScheduledChunk,
+    Scheduler,
+    blocks_needed,
+)
 from llm_operator.engine.native.step_builder import HostStep, LayerAttention, StepBatch, StepBuilder
 from llm_operator.engine.run import Run
 from llm_operator.models.cpu_decoder import TIMED_KINDS, CompiledDecoder
@@ -137,12 +142,10 @@ class NativeBackend:
         return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * element
 
     def _num_blocks(self, plan: Plan) -> int:
-        """The budget's blocks, but no more than this plan could ever hold at once."""
+        """The budget's blocks, but no more than this plan could ever hold at once
+        (``scheduler.blocks_needed``)."""
         budget = self.kv_cache_bytes // self.bytes_per_block()
-        need = sum(-(-len(s.token_ids) // self.block_size) for s in plan.segments)
-        need += sum(
-            -(-(len(r.token_ids) + r.max_tokens) // self.block_size) + 1 for r in plan.requests
-        )
+        need = blocks_needed(plan, self.block_size, self.engine_config.share_prefixes)
         blocks = min(budget, need)
         if blocks < 1:
             raise ValueError(

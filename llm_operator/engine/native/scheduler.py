@@ -92,6 +92,38 @@ __all__ = ["Scheduler", "SchedulerStats", "ScheduledChunk", "KVSequence"]
 WINDOW_MARGIN = 128
 
 
+def request_chains(plan: Plan, share_prefixes: bool) -> list[tuple[int, ...]]:
+    """The segments each request reads as the scheduler runs it: its plan chain (none
+    without ``share_prefixes``), less the last segment where the prompt is entirely shared
+    (that request prefills the segment's tokens itself)."""
+    chains = []
+    for request in plan.requests:
+        chain = request.chain if share_prefixes else ()
+        if chain and request.prefix_length == len(request.token_ids):
+            chain = chain[:-1]
+        chains.append(chain)
+    return chains
+
+
+def blocks_needed(plan: Plan, block_size: int, share_prefixes: bool) -> int:
+    """The most KV blocks ``plan``'s sequences could ever hold at once: every segment a
+    chain reads, and each request's own tokens (its prompt past its chain, and its outputs)
+    with a block of slack; each counted from the block boundary before it (where the
+    batch-invariant mode starts a sequence). A pool of this many blocks never makes a
+    row wait for memory; the shared prefixes are counted once, not once per request."""
+    chains = request_chains(plan, share_prefixes)
+    read = {segment_id for chain in chains for segment_id in chain}
+    need = 0
+    for segment in plan.segments:
+        if segment.segment_id in read:
+            need += -(-(len(segment.token_ids) + segment.start % block_size) // block_size)
+    for request, chain in zip(plan.requests, chains, strict=True):
+        prefix = plan.segments[chain[-1]].end if chain else 0
+        own = len(request.token_ids) - prefix + prefix % block_size + request.max_tokens
+        need += -(-own // block_size) + 1
+    return need
+
+
 @dataclass
 class SchedulerStats:
     """Counters of one run (mutable; read them after ``done``)."""
@@ -160,12 +192,7 @@ class Scheduler:
         self._wave_open = True
         self.rejected: list[tuple[int, str]] = []
         self.stats = SchedulerStats()
-        self._chains: list[tuple[int, ...]] = []
-        for request in plan.requests:
-            chain = request.chain if share_prefixes else ()
-            if chain and request.prefix_length == len(request.token_ids):
-                chain = chain[:-1]  # entirely shared prompt: prefill the last segment itself
-            self._chains.append(chain)
+        self._chains = request_chains(plan, self.share_prefixes)
         self._pins = PrefixPins(plan, blocks, self._chains, self.copy_tails)
         self._waiting: deque[KVSequence] = deque()  # preempted first, then fresh in plan order
         self._next_request = 0  # plan cursor: requests before it have a KVSequence
