@@ -975,6 +975,22 @@ struct UnitScratch {  // one thread's buffers, reused unit after unit
 // lane by lane (sums [LANES]); writes the weights exp(score - max) (0 where not visible)
 // and the factor for the running values (correction). False: it sees no key yet (weights
 // 0, correction 1, nothing else changed).
+// A query's running maximum moved to max(run_max, step_max), and the factor for what it
+// had summed so far (correction = exp(old - new)); false where it sees no key yet (its
+// step weights set to 0, correction 1).
+ALWAYS_INLINE bool advance_max(float step_max, float& run_max, float* weights,
+                               float& correction) {
+  const float new_max = std::max(run_max, step_max);
+  if (new_max == NEG_INF) {
+    correction = 1.0f;
+    std::fill(weights, weights + STEP_KEYS, 0.0f);
+    return false;
+  }
+  correction = exp_nonpositive(run_max - new_max);
+  run_max = new_max;
+  return true;
+}
+
 #if defined(HAVE_EXP8)
 ALWAYS_INLINE bool softmax_query(const float* scores, float* weights, int count,
                                  const int* valid, const int* masked, float& run_max,
@@ -999,16 +1015,8 @@ ALWAYS_INLINE bool softmax_query(const float* scores, float* weights, int count,
   top = _mm256_max_ps(top, _mm256_permute2f128_ps(top, top, 1));
   top = _mm256_max_ps(top, _mm256_shuffle_ps(top, top, _MM_SHUFFLE(1, 0, 3, 2)));
   top = _mm256_max_ps(top, _mm256_shuffle_ps(top, top, _MM_SHUFFLE(2, 3, 0, 1)));
-  const float new_max = std::max(run_max, _mm256_cvtss_f32(top));
-  if (new_max == NEG_INF) {
-    correction = 1.0f;
-    std::fill(weights, weights + STEP_KEYS, 0.0f);
-    return false;
-  }
-  const float c = exp_nonpositive(run_max - new_max);
-  correction = c;
-  run_max = new_max;
-  const __m256 shift = _mm256_set1_ps(new_max), factor = _mm256_set1_ps(c);
+  if (!advance_max(_mm256_cvtss_f32(top), run_max, weights, correction)) return false;
+  const __m256 shift = _mm256_set1_ps(run_max), factor = _mm256_set1_ps(correction);
   __m256 sum_lo = _mm256_mul_ps(_mm256_loadu_ps(sums), factor);
   __m256 sum_hi = _mm256_mul_ps(_mm256_loadu_ps(sums + 8), factor);
   for (int t = 0; t < count; ++t) {
@@ -1042,15 +1050,8 @@ ALWAYS_INLINE bool softmax_query(const float* scores, float* weights, int count,
   float step_max = NEG_INF;
 #pragma omp simd reduction(max : step_max)
   for (int j = 0; j < LANES; ++j) step_max = std::max(step_max, lane_max[j]);
-  const float new_max = std::max(run_max, step_max);
-  if (new_max == NEG_INF) {
-    correction = 1.0f;
-    std::fill(weights, weights + STEP_KEYS, 0.0f);
-    return false;
-  }
-  const float c = exp_nonpositive(run_max - new_max);
-  correction = c;
-  run_max = new_max;
+  if (!advance_max(step_max, run_max, weights, correction)) return false;
+  const float new_max = run_max, c = correction;
   float step_sums[LANES];
   for (int j = 0; j < LANES; ++j) step_sums[j] = sums[j] * c;
   for (int t = 0; t < count; ++t) {
