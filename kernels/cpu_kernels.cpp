@@ -970,11 +970,6 @@ struct UnitScratch {  // one thread's buffers, reused unit after unit
   std::vector<bf16_bits> key_copies;  // bf16 dot path: zero-padded partial key tiles
 };
 
-// One query's online-softmax step over `count` runs of 16 scores (row stride LANES): lanes
-// [masked[t], valid[t]) of run t are its visible keys. Updates run_max and the denominators
-// lane by lane (sums [LANES]); writes the weights exp(score - max) (0 where not visible)
-// and the factor for the running values (correction). False: it sees no key yet (weights
-// 0, correction 1, nothing else changed).
 // A query's running maximum moved to max(run_max, step_max), and the factor for what it
 // had summed so far (correction = exp(old - new)); false where it sees no key yet (its
 // step weights set to 0, correction 1).
@@ -991,6 +986,11 @@ ALWAYS_INLINE bool advance_max(float step_max, float& run_max, float* weights,
   return true;
 }
 
+// One query's online-softmax step over `count` runs of 16 scores (row stride LANES): lanes
+// [masked[t], valid[t]) of run t are its visible keys. Updates run_max and the denominators
+// lane by lane (sums [LANES]); writes the weights exp(score - max) (0 where not visible)
+// and the factor for the running values (correction). False: it sees no key yet (weights
+// 0, correction 1, nothing else changed).
 #if defined(HAVE_EXP8)
 ALWAYS_INLINE bool softmax_query(const float* scores, float* weights, int count,
                                  const int* valid, const int* masked, float& run_max,

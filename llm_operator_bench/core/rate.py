@@ -164,14 +164,26 @@ def rate_for(rates: dict[str, Any] | None, dtype: str | None) -> float | None:
     return entry.get("gflops") if isinstance(entry, dict) else None
 
 
-def describe_rate(rates: dict[str, Any] | None) -> str:
+def describe_rate(rates: dict[str, Any] | None, unit: str = "GFLOP/s") -> str:
     """One line for the report header, e.g. "float32 160 GFLOP/s, bfloat16 402 GFLOP/s"."""
     if not rates:
         return "not measured"
     parts = []
     for key, entry in rates.items():
         if isinstance(entry, dict) and "gflops" in entry:
-            parts.append(f"{key} {entry['gflops']:.0f} GFLOP/s")
+            parts.append(f"{key} {entry['gflops']:.0f} {unit}")
         elif isinstance(entry, dict) and "error" in entry:
             parts.append(f"{key} unavailable ({entry['error'].splitlines()[0][:60]})")
     return ", ".join(parts) or "not measured"
+
+
+def describe_rates(rates: dict[str, Any] | None) -> str:
+    """torch's linear per dtype, then the compiled quantized kernel's where it was measured,
+    e.g. "torch linear float32 74 GFLOP/s, ...; the compiled quantized kernel int8-q4 91 GOP/s"."""
+    if not rates:
+        return "not measured"
+    line = f"torch linear {describe_rate({k: rates[k] for k in RATE_DTYPES if k in rates})}"
+    quantized = {k: rates[k] for k in QUANTIZED_RATES if k in rates}
+    if quantized:
+        line += f"; the compiled quantized kernel {describe_rate(quantized, unit='GOP/s')}"
+    return line

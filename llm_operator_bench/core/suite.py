@@ -11,12 +11,7 @@ from typing import Any
 
 from llm_operator_bench.baselines.vllm_systems import VLLMUnavailable, find_vllm_python
 from llm_operator_bench.core.flops import ModelShape, model_shape
-from llm_operator_bench.core.rate import (
-    QUANTIZED_RATES,
-    RATE_DTYPES,
-    describe_rate,
-    measure_matmul_rate,
-)
+from llm_operator_bench.core.rate import describe_rates, measure_matmul_rate
 from llm_operator_bench.core.records import build_records
 from llm_operator_bench.core.report import markdown_table, write_chart
 from llm_operator_bench.core.runner import (
@@ -74,10 +69,8 @@ def machine_rate(operator, log: Log) -> tuple[ModelShape | None, dict[str, Any] 
         return None, None
     rates = measure_matmul_rate(shape)
     log(
-        f"bench: torch linear on the model's shapes at M={rates['tokens']}, "
-        f"{rates['threads']} threads, {rates['device']}: "
-        f"{describe_rate({k: rates[k] for k in RATE_DTYPES if k in rates})}; our quantized "
-        f"kernel (GOP/s): {describe_rate({k: rates[k] for k in QUANTIZED_RATES if k in rates})}"
+        f"bench: matmul rates on the model's shapes at M={rates['tokens']}, "
+        f"{rates['threads']} threads, {rates['device']}: {describe_rates(rates)}"
     )
     return shape, rates
 

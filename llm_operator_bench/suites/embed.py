@@ -313,6 +313,8 @@ def _tokenizer(operator):
 
 def embed_markdown(report: dict[str, Any]) -> str:
     """The report's table (and the systems' engines) as markdown."""
+    from llm_operator_bench.core.rate import describe_rates
+
     machine = report["machine"]
     lines = [
         f"Machine: {machine.get('cpu')} ({machine.get('cpu_count')} CPUs, "
@@ -325,7 +327,7 @@ def embed_markdown(report: dict[str, Any]) -> str:
             else ", one run."
         ),
         "",
-        f"Matmul rate on the model's shapes in this run: {_rates_line(report.get('rates'))}. "
+        f"Matmul rate on the model's shapes in this run: {describe_rates(report.get('rates'))}. "
         "Linear GFLOP/s: the tokens a system computed x 2 x the model's linear weights, "
         "per second (attention and the rest left out).",
         "",
@@ -368,19 +370,3 @@ def embed_markdown(report: dict[str, Any]) -> str:
                 f"{info.get('torch_threads')} torch threads"
             )
     return "\n".join(lines) + "\n"
-
-
-def _rates_line(rates: dict[str, Any] | None) -> str:
-    """torch's linear per dtype and the quantized kernel's, as the systems bench lists them."""
-    from llm_operator_bench.core.rate import QUANTIZED_RATES, RATE_DTYPES, describe_rate
-
-    if not rates:
-        return "not measured"
-    torch_rates = describe_rate({k: rates[k] for k in RATE_DTYPES if k in rates})
-    quantized = {k: rates[k] for k in QUANTIZED_RATES if k in rates}
-    line = f"torch linear {torch_rates}"
-    if quantized:
-        line += (
-            f"; the compiled quantized kernel {describe_rate(quantized).replace('GFLOP', 'GOP')}"
-        )
-    return line

@@ -16,7 +16,8 @@ The operator systems embed the texts through ``LLMOperator.embed`` (vectors L2-n
 by the operator); ``vllm`` calls ``vllm.LLM.embed`` on the rows' token ids in input order
 (its pooling runner, raw vectors, normalized here). Before the timed runs each system
 embeds two short rows (the model loaded, kernels compiled, vLLM warmed); each workload
-then runs ``repeat`` times (default 1), vLLM's prefix cache reset before each run. Each workload's vectors go to
+then runs ``repeat`` times (default 1), vLLM's prefix cache reset before each run. Each
+workload's vectors go to
 ``<vectors_dir>/<system>-<workload>.npy`` (float32 [rows, hidden]).
 """
 
